@@ -87,7 +87,7 @@ def test_draft_loads_and_fits_target(pair):
     check_target_fits(cfg, hidden_size=target["hidden_size"], vocab_size=target["vocab_size"],
                       num_layers=target["num_hidden_layers"])
     assert cfg.mask_token_id == MASK_TOKEN_ID
-    assert cfg.target_layer_ids == (1, 3, 5)
+    assert cfg.target_layer_ids == (1, 3, 4)
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.code_dim, cfg.message_dim) == \
         (128, 2, 48, 24)
     assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in tensors.values())

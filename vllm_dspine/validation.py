@@ -13,7 +13,7 @@ import torch
 from vllm_dspine.config import DSpineConfig
 from vllm_dspine.hf_config import dspine_config_of
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def validate_dspine_speculative_config(spec_config, options: dict) -> DSpineConfig:

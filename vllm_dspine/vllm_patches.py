@@ -19,6 +19,10 @@ Patches:
    int64 *copy* of a float output and never copies back, so per-token temperature and
    top-p under speculative decoding are uninitialised memory on CPU (sampling is then
    not lossless). Replaced by a correct implementation.
+4. `vllm.sampling_params.SamplingParams._validate_spec_decode`: vLLM refuses `min_p`
+   and `logit_bias` under speculative decoding because its verifier does not apply
+   them to draft positions. DSpine's verifier does (vllm_dspine/verify/sampler.py), so
+   the refusal is lifted for DSpine drafts only; every other method keeps it.
 """
 
 from __future__ import annotations
@@ -210,10 +214,36 @@ def _patch_cpu_expand_kernel() -> None:
         dispatcher._registry[name] = (dispatcher._registry[name][0], _expand_kernel_impl)
 
 
+# ------------------------------------------- 4. min_p / logit_bias with DSpine
+def _patch_sampling_params_spec_validation() -> None:
+    from vllm.sampling_params import SamplingParams
+
+    original = _require(SamplingParams, "_validate_spec_decode",
+                        "SamplingParams._validate_spec_decode")
+    if getattr(original, "_dspine_patched", False):
+        return
+    params = list(inspect.signature(original).parameters)
+    if params != ["self", "speculative_config"]:
+        raise RuntimeError(
+            f"vllm-dspine: SamplingParams._validate_spec_decode has parameters {params}, "
+            f"not those of vLLM {PINNED_VLLM_VERSION}")
+
+    @functools.wraps(original)
+    def _validate_spec_decode(self, speculative_config):
+        from vllm_dspine.hf_config import is_dspine_draft
+
+        if is_dspine_draft(speculative_config):
+            return  # min_p and logit_bias are applied exactly by DSpine's verifier
+        return original(self, speculative_config)
+
+    _validate_spec_decode._dspine_patched = True
+    SamplingParams._validate_spec_decode = _validate_spec_decode
+
+
 def apply_patches() -> None:
     """Apply every patch once per process (idempotent)."""
     check_vllm_version()
     for patch in (_patch_create_speculative_config, _patch_dflash_proposer_factory,
-                  _patch_cpu_expand_kernel):
+                  _patch_cpu_expand_kernel, _patch_sampling_params_spec_validation):
         patch()
         _APPLIED.add(patch.__name__)

@@ -17,6 +17,8 @@ What this class adds (small overrides of the base class's hooks):
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from vllm.logger import init_logger
@@ -59,6 +61,7 @@ class DSpineProposer(DFlashProposer):
         self._last_sparse_q: torch.Tensor | None = None  # [num_reqs, K, 2k]
         self._fp8_head: FP8Head | None = None
         self._tail_tables: TailTables | None = None
+        self._debug_dump_dir = os.environ.get("VLLM_DSPINE_DEBUG_DUMP") or None
 
     # ---------------------------------------------------------------- loading
     def load_model(self, target_model) -> None:
@@ -137,7 +140,25 @@ class DSpineProposer(DFlashProposer):
             None if min_p is None else min_p.to(device),
             generators, self._tail_tables)
         self._last_sparse_q = pack_sparse_q(proposal.cand_ids, proposal.cand_probs)
+        if self._debug_dump_dir:
+            self._debug_dump(num_reqs, hidden_states, cand_ids, proposal)
         return proposal.draft_token_ids.reshape(-1), None
+
+    def _debug_dump(self, num_reqs, hidden_states, cand_ids, proposal) -> None:
+        """Writes one step's drafter inputs/outputs (tests compare them with the
+        reference drafter). Only with VLLM_DSPINE_DEBUG_DUMP=dir; never in serving."""
+        B = self.dspine.block_size
+        req_ids = list(self._runner.input_batch.req_ids[:num_reqs]) if self._runner else []
+        self._dump_step = getattr(self, "_dump_step", 0) + 1
+        torch.save({
+            "req_ids": req_ids,
+            "anchor_ids": self._anchor_ids[:num_reqs].cpu(),
+            "anchor_positions": self.positions[: num_reqs * B: B].cpu(),
+            "final_hidden": hidden_states.float().cpu(),  # [num_reqs * K, H]
+            "cand_ids": cand_ids.cpu(),
+            "draft_token_ids": proposal.draft_token_ids.cpu(),
+            "cand_probs": proposal.cand_probs.cpu(),
+        }, os.path.join(self._debug_dump_dir, f"step{os.getpid()}_{self._dump_step:05d}.pt"))
 
     def take_last_draft_probs(self) -> torch.Tensor | None:
         q, self._last_sparse_q = self._last_sparse_q, None

@@ -1,0 +1,46 @@
+"""Shared helpers for tests that start vLLM engines (slow: ~25 s each on 2 cores)."""
+
+from __future__ import annotations
+
+import os
+
+DSPINE_K = 15
+
+
+def engine_env() -> None:
+    # What scripts/env.sh sets for the README's commands; tests may run without it.
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def dspine_spec(draft_dir: str, **extra) -> dict:
+    return {"method": "dspine", "model": str(draft_dir),
+            "num_speculative_tokens": DSPINE_K, **extra}
+
+
+def make_llm(target_dir: str, spec: dict | None = None, **kwargs):
+    engine_env()
+    from vllm import LLM
+
+    args = dict(dtype="float32", max_model_len=512, enforce_eager=True, max_num_seqs=48,
+                seed=0, gpu_memory_utilization=0.15, disable_log_stats=False)
+    args.update(kwargs)
+    return LLM(str(target_dir), speculative_config=spec, **args)
+
+
+def spec_metrics(llm) -> dict:
+    """vLLM's own spec-decode counters: name -> value (per-position ones as lists)."""
+    out = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode"):
+            out[m.name] = getattr(m, "values", None) or getattr(m, "value", None)
+    return out
+
+
+def prompts_of_lengths(n: int) -> list[str]:
+    base = ("the quick brown fox jumps over the lazy dog while five wizards box "
+            "jackdaws quickly and the sphinx of black quartz judges my vow ")
+    return [base[(7 * i) % 40: (7 * i) % 40 + 3 + (11 * i) % 90] for i in range(n)]

@@ -1,0 +1,248 @@
+"""SparseRejectionSampler against vLLM 0.32.0's RejectionSampler (dense q).
+
+vLLM's CPU `expand_batch_to_tokens` returns garbage for float inputs (FINDINGS.md),
+so the vLLM side runs with that one function replaced by a correct expansion; all
+else (bonus sampling, logits processors, penalties, top-k/top-p, the C++ rejection
+kernels, logprobs) is vLLM's own. Min-p and logit bias, which vLLM's rejection
+sampler does not apply to draft rows, are checked against vLLM's per-row formulas.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vllm.v1.sample.rejection_sampler as vllm_rs
+from vllm.platforms.cpu import CpuPlatform
+from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.logits_processor.builtin import (
+    LogitBiasLogitsProcessor,
+    MinPLogitsProcessor,
+)
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+from vllm.v1.sample.sampler import Sampler
+from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+from vllm_dspine.verify import SparseDraftProbs, SparseRejectionSampler
+from vllm_dspine.verify.sampler import (
+    apply_draft_sampling_constraints,
+    apply_logit_bias_to_drafts,
+)
+from vllm_dspine.verify.synthetic import sample_from_sparse, sparse_q_near
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_cpu_kernels():
+    CpuPlatform.import_kernels()
+    CpuPlatform.register_triton_kernel_overrides()
+
+
+def _expand_fixed(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    x = torch.where(x == replace_from, torch.as_tensor(replace_to, dtype=x.dtype), x)
+    out = torch.repeat_interleave(x, counts)
+    assert out.shape[0] == num_tokens
+    return out
+
+
+def _spec_metadata(drafts: list[list[int]]) -> SpecDecodeMetadata:
+    """Logits rows: each request's draft rows, then its bonus row.
+    E.g. drafts [[a, b], [], [c]] -> rows [a, b, bonus0, bonus1, c, bonus2]."""
+    num_draft_tokens = [len(d) for d in drafts]
+    target, bonus, row = [], [], 0
+    for n in num_draft_tokens:
+        target.extend(range(row, row + n))
+        bonus.append(row + n)
+        row += n + 1
+    return SpecDecodeMetadata(
+        draft_token_ids=torch.tensor(sum(drafts, []), dtype=torch.int32),
+        num_draft_tokens=num_draft_tokens,
+        cu_num_draft_tokens=torch.tensor(num_draft_tokens).cumsum(0).to(torch.int32),
+        cu_num_sampled_tokens=torch.tensor([n + 1 for n in num_draft_tokens])
+        .cumsum(0)
+        .to(torch.int32),
+        target_logits_indices=torch.tensor(target, dtype=torch.int32),
+        bonus_logits_indices=torch.tensor(bonus, dtype=torch.int32),
+        logits_indices=torch.arange(row, dtype=torch.int32),
+    )
+
+
+def _sampling_metadata(temperatures, vocab_size, generators, top_k=None, top_p=None,
+                       penalties=False, drafts=None, max_num_logprobs=None,
+                       logitsprocs=None):
+    num_reqs = len(temperatures)
+    temperature = torch.tensor(temperatures, dtype=torch.float32)
+    prompt = torch.randint(0, vocab_size, (num_reqs, 6), generator=torch.Generator())
+    return SamplingMetadata(
+        temperature=temperature,
+        all_greedy=bool((temperature == 0).all()),
+        all_random=bool((temperature != 0).all()),
+        top_p=top_p,
+        top_k=top_k,
+        generators=generators,
+        max_num_logprobs=max_num_logprobs,
+        no_penalties=not penalties,
+        prompt_token_ids=prompt if penalties else None,
+        frequency_penalties=torch.full((num_reqs,), 0.3 if penalties else 0.0),
+        presence_penalties=torch.full((num_reqs,), 0.2 if penalties else 0.0),
+        repetition_penalties=torch.full((num_reqs,), 1.3 if penalties else 1.0),
+        output_token_ids=[[1, 2, 3] for _ in range(num_reqs)],
+        allowed_token_ids_mask=None,
+        bad_words_token_ids={},
+        logitsprocs=logitsprocs or LogitsProcessors(),
+        spec_token_ids=drafts,
+    )
+
+
+def _batch(num_draft_tokens, vocab_size, seed):
+    """Logits for draft + bonus rows, a sparse q near softmax(logits), drafts ~ q."""
+    g = torch.Generator().manual_seed(seed)
+    num_rows = sum(num_draft_tokens) + len(num_draft_tokens)
+    logits = torch.randn(num_rows, vocab_size, generator=g) * 2.0
+    meta0 = _spec_metadata([[0] * n for n in num_draft_tokens])
+    target_rows = meta0.target_logits_indices.long()
+    ids, probs = sparse_q_near(logits[target_rows].softmax(-1), 16, g, num_pad=1)
+    flat = sample_from_sparse(ids, probs, g).tolist()
+    drafts, start = [], 0
+    for n in num_draft_tokens:
+        drafts.append(flat[start : start + n])
+        start += n
+    return logits, _spec_metadata(drafts), drafts, SparseDraftProbs(ids, probs)
+
+
+CASES = [
+    pytest.param({}, id="plain"),
+    pytest.param({"top_k": True}, id="top-k"),
+    pytest.param({"top_p": True}, id="top-p"),
+    pytest.param({"top_k": True, "top_p": True, "penalties": True}, id="all"),
+    pytest.param({"max_num_logprobs": 3}, id="logprobs"),
+]
+
+
+@pytest.mark.parametrize("opts", CASES)
+def test_matches_vllm_rejection_sampler(opts, monkeypatch):
+    monkeypatch.setattr(vllm_rs, "expand_batch_to_tokens", _expand_fixed)
+    # vLLM's logprob ranks go through torch.compile (~50 s to compile here); eager
+    # gives the same numbers.
+    with torch._dynamo.config.patch(disable=True):
+        _compare_with_vllm(opts)
+
+
+def _compare_with_vllm(opts):
+    num_draft_tokens = [15, 4, 0, 15, 7, 1, 15, 3]
+    vocab_size = 300
+    temperatures = [0.7, 1.0, 1.3, 0.0, 0.5, 1.0, 0.0, 2.0]
+    num_reqs = len(num_draft_tokens)
+    logits, meta, drafts, q = _batch(num_draft_tokens, vocab_size, seed=11)
+    top_k = torch.tensor([5, 20, 300, 8, 50, 2, 300, 30]) if opts.get("top_k") else None
+    top_p = (
+        torch.tensor([0.9, 0.5, 1.0, 0.8, 0.95, 0.7, 1.0, 0.99])
+        if opts.get("top_p") else None
+    )
+    vllm_sampler = vllm_rs.RejectionSampler(Sampler())
+    ours = SparseRejectionSampler(Sampler())
+    dense_q = q.to_dense(vocab_size)
+    num_rejections = 0
+    for trial in range(3):
+        seeds = {i: 77 * trial + i for i in range(num_reqs) if i % 2 == 0}
+        outs = []
+        for sampler, draft_args in ((vllm_sampler, (dense_q,)),
+                                    (ours, (q.cand_ids, q.cand_probs))):
+            torch.manual_seed(trial)
+            gens = {i: torch.Generator().manual_seed(s) for i, s in seeds.items()}
+            sm = _sampling_metadata(
+                temperatures, vocab_size, gens, top_k=top_k, top_p=top_p,
+                penalties=opts.get("penalties", False), drafts=drafts,
+                max_num_logprobs=opts.get("max_num_logprobs"),
+            )
+            outs.append(sampler(meta, *draft_args, logits.clone(), sm))
+        want, got = outs
+        assert torch.equal(got.sampled_token_ids, want.sampled_token_ids), trial
+        emitted = (got.sampled_token_ids >= 0).sum(dim=1)
+        num_rejections += int((emitted <= torch.tensor(num_draft_tokens)).sum())
+        if opts.get("max_num_logprobs"):
+            for a, b in zip(got.logprobs_tensors, want.logprobs_tensors):
+                assert (a is None and b is None) or torch.equal(a, b)
+    assert num_rejections >= 3  # the correction draws were compared too
+
+
+def test_all_greedy_needs_no_q():
+    num_draft_tokens = [3, 0, 5]
+    logits, meta, drafts, _ = _batch(num_draft_tokens, 64, seed=3)
+    sm = _sampling_metadata([0.0, 0.0, 0.0], 64, {})
+    out = SparseRejectionSampler(Sampler())(meta, None, None, logits.clone(), sm)
+    want = vllm_rs.RejectionSampler(Sampler())(meta, None, logits.clone(), sm)
+    assert torch.equal(out.sampled_token_ids, want.sampled_token_ids)
+
+
+def test_random_batch_without_q_raises():
+    logits, meta, drafts, _ = _batch([2, 2], 64, seed=4)
+    sm = _sampling_metadata([1.0, 0.0], 64, {})
+    with pytest.raises(ValueError, match="draft_cand_ids"):
+        SparseRejectionSampler(Sampler())(meta, None, None, logits, sm)
+
+
+def _min_p_processor(min_p: list[float]) -> MinPLogitsProcessor:
+    proc = MinPLogitsProcessor.__new__(MinPLogitsProcessor)
+    proc.min_p_count = sum(1 for m in min_p if m)
+    proc.min_p = torch.tensor(min_p).unsqueeze(1)  # [num_reqs, 1], as update_state
+    return proc
+
+
+def test_draft_constraints_match_vllm_sampler_per_row():
+    """Temperature -> min-p -> top-k/top-p on each draft row equals what vLLM's
+    Sampler.sample does to a normal row with the request's parameters."""
+    vocab_size = 200
+    num_draft_tokens = [3, 0, 4, 2]
+    temperatures = [0.5, 1.0, 0.0, 1.7]
+    min_p = [0.05, 0.0, 0.2, 0.0]
+    top_k = torch.tensor([10, 200, 200, 40])
+    top_p = torch.tensor([0.9, 1.0, 0.8, 0.5])
+    proc = _min_p_processor(min_p)
+    sm = _sampling_metadata(
+        temperatures, vocab_size, {}, top_k=top_k, top_p=top_p,
+        logitsprocs=LogitsProcessors([proc]),
+    )
+    logits = torch.randn(9, vocab_size, generator=torch.Generator().manual_seed(0)) * 3
+    got = apply_draft_sampling_constraints(logits.clone(), num_draft_tokens, sm)
+    row = 0
+    for r, n in enumerate(num_draft_tokens):
+        temp = temperatures[r] if temperatures[r] != 0 else 1.0
+        for _ in range(n):
+            x = logits[row : row + 1] / temp
+            x = _min_p_processor([min_p[r]]).apply(x)
+            x = apply_top_k_top_p(x, top_k[r : r + 1], top_p[r : r + 1])
+            assert torch.equal(got[row], x[0]), (r, row)
+            row += 1
+    assert bool(torch.isinf(got).any())  # min-p / top-k / top-p did mask something
+
+
+def test_logit_bias_reaches_every_draft_row():
+    proc = LogitBiasLogitsProcessor.__new__(LogitBiasLogitsProcessor)
+    proc.biases = {0: {3: 5.0, 7: -2.0}, 2: {1: 1.5}}
+    sm = _sampling_metadata(
+        [1.0, 1.0, 1.0], 10, {}, logitsprocs=LogitsProcessors([proc])
+    )
+    logits = torch.zeros(6, 10)
+    out = apply_logit_bias_to_drafts(logits, sm, [2, 1, 3])
+    want = torch.zeros(6, 10)
+    want[0:2, 3], want[0:2, 7] = 5.0, -2.0
+    want[3:6, 1] = 1.5
+    assert torch.equal(out, want)
+
+
+def test_sparse_draft_probs_validates():
+    with pytest.raises(ValueError, match="int64"):
+        SparseDraftProbs(torch.zeros(2, 16, dtype=torch.int32), torch.zeros(2, 16))
+    with pytest.raises(ValueError, match="num_tokens, topk"):
+        SparseDraftProbs(torch.zeros(2, 16, dtype=torch.int64), torch.zeros(2, 8))
+
+
+def test_sparse_draft_probs_from_padded():
+    ids = torch.arange(2 * 3 * 4).view(2, 3, 4)
+    probs = torch.rand(2, 3, 4)
+    q = SparseDraftProbs.from_padded(ids, probs, [2, 3])
+    assert q.num_tokens == 5 and q.topk == 4
+    assert torch.equal(q.cand_ids, torch.cat([ids[0, :2], ids[1]]))
+    assert torch.equal(q.cand_probs, torch.cat([probs[0, :2], probs[1]]))

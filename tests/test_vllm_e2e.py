@@ -1,0 +1,167 @@
+"""DSpine through vLLM on CPU, end to end, on the small pair the project writes.
+
+Engines are expensive (~25 s to start on 2 cores), so this module starts two and shares
+them: a plain engine and a DSpine engine over the same target. The DSpine engine dumps
+each drafting step (VLLM_DSPINE_DEBUG_DUMP) so the vLLM model class can be checked
+against the plain-PyTorch reference drafter.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+
+from engine_utils import dspine_spec, make_llm, prompts_of_lengths, spec_metrics
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from vllm_dspine.tiny_pair import write_tiny_pair
+
+    return write_tiny_pair(str(tmp_path_factory.mktemp("pair")), seed=0)
+
+
+@pytest.fixture(scope="module")
+def dump_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("dspine_dump"))
+    os.environ["VLLM_DSPINE_DEBUG_DUMP"] = d
+    yield d
+    os.environ.pop("VLLM_DSPINE_DEBUG_DUMP", None)
+
+
+@pytest.fixture(scope="module")
+def plain_llm(pair):
+    return make_llm(pair.target_dir)
+
+
+@pytest.fixture(scope="module")
+def spec_llm(pair, dump_dir):
+    return make_llm(pair.target_dir, dspine_spec(pair.draft_dir))
+
+
+def _clear(dump_dir):
+    for f in glob.glob(os.path.join(dump_dir, "*.pt")):
+        os.remove(f)
+
+
+def test_greedy_identical_to_plain_decoding_40_concurrent(plain_llm, spec_llm, dump_dir):
+    """40 prompts of different lengths at once (max_num_seqs 48, chunked prefill and
+    prefix caching on, vLLM's defaults): token-identical greedy output in fp32."""
+    from vllm import SamplingParams
+
+    prompts = prompts_of_lengths(40)
+    assert len({len(p) for p in prompts}) > 20
+    sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, sp)]
+    _clear(dump_dir)
+    spec = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, sp)]
+    for i, (a, b) in enumerate(zip(plain, spec)):
+        assert list(a) == list(b), f"prompt {i} {prompts[i]!r} differs"
+    steps = sorted(glob.glob(os.path.join(dump_dir, "*.pt")))
+    assert steps, "the DSpine proposer never ran"
+    assert max(len(torch.load(s)["req_ids"]) for s in steps) >= 32, \
+        "fewer than 32 requests were ever drafted in one step"
+
+
+def test_spec_decode_metrics_counted(spec_llm):
+    """vLLM's own counters see the drafts and the accepted ones, per position."""
+    from vllm import SamplingParams
+
+    # Prompts the planted habit continues ("abcd" -> "efgh..."): some drafts accepted.
+    spec_llm.generate(["abcdefgh", "klmnopq", "0123456"],
+                      SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+    m = spec_metrics(spec_llm)
+    assert m["vllm:spec_decode_num_draft_tokens"] > 0
+    assert m["vllm:spec_decode_num_accepted_tokens"] > 0, m
+    per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_pos) == 15 and sum(per_pos) == m["vllm:spec_decode_num_accepted_tokens"]
+
+
+def test_mixed_batch_greedy_exact_and_seeds_reproduce(plain_llm, spec_llm):
+    """Greedy and sampled requests with different temperature/top-p/top-k/min-p/seed in
+    one batch: the greedy ones equal plain greedy decoding, the seeded sampled ones give
+    the same tokens when run again."""
+    from vllm import SamplingParams
+
+    prompts = prompts_of_lengths(16)
+    params = []
+    for i in range(16):
+        if i % 4 == 0:
+            params.append(SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+        else:
+            params.append(SamplingParams(
+                temperature=[0.5, 1.0, 1.5][i % 3], top_p=[1.0, 0.9, 0.7][i % 3],
+                top_k=[-1, 50, 5][(i // 3) % 3], min_p=[0.0, 0.05][i % 2],
+                seed=1000 + i, max_tokens=32, ignore_eos=True))
+    first = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params)]
+    again = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts[::4], greedy)]
+    for j, i in enumerate(range(0, 16, 4)):
+        assert list(first[i]) == list(plain[j]), f"greedy request {i} differs in a mixed batch"
+    for i in range(16):
+        assert list(first[i]) == list(again[i]), f"seeded request {i} did not reproduce"
+        assert len(first[i]) == 32
+
+
+def _target_features(target_dir, layer_ids, token_ids):
+    """Residual-stream outputs of the target's layers (vLLM's auxiliary states)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    with torch.no_grad():
+        out = model(torch.tensor([token_ids]), output_hidden_states=True)
+    return torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1), model
+
+
+def test_vllm_drafter_matches_reference_drafter(pair, spec_llm, dump_dir):
+    """The vLLM model class (inside the engine, with its KV cache and batch layout)
+    computes what the reference drafter computes: final states of every proposal row
+    to fp32 tolerance, and the same candidates and greedy drafts."""
+    from vllm import SamplingParams
+
+    from vllm_dspine.checkpoint import load_draft_checkpoint
+    from vllm_dspine.kernels.retrieval import retrieve_candidates
+    from vllm_dspine.kernels.tail import refine_last_write
+    from vllm_dspine.reference_drafter import ReferenceDrafter
+
+    _clear(dump_dir)
+    prompts = ["abcdefgh", "hello there", "xyz"]
+    outs = spec_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40,
+                                                     ignore_eos=True))
+    seqs = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+            for o in outs}
+    cfg, tensors = load_draft_checkpoint(pair.draft_dir)
+    checked = 0
+    cache = {}
+    for path in sorted(glob.glob(os.path.join(dump_dir, "*.pt"))):
+        step = torch.load(path)
+        K = cfg.num_proposals
+        for r, req_id in enumerate(step["req_ids"]):
+            seq = seqs[req_id.split("-")[0]]
+            p = int(step["anchor_positions"][r])
+            assert seq[p] == int(step["anchor_ids"][r])
+            if req_id not in cache:
+                cache[req_id] = _target_features(pair.target_dir, cfg.target_layer_ids, seq)
+            feats, target = cache[req_id]
+            ref = ReferenceDrafter(cfg, tensors, target.model.embed_tokens.weight.detach(),
+                                   target.lm_head.weight.detach())
+            ctx = ref.context_kv(feats[:p], torch.arange(p))
+            out = ref.forward_block(seq[p], p, ctx)
+            vllm_final = step["final_hidden"][r * K:(r + 1) * K]
+            torch.testing.assert_close(vllm_final, out.final_hidden[1:], rtol=1e-4, atol=1e-4)
+            cand = retrieve_candidates(out.final_hidden[1:], ref.lm_head, cfg.head_topk,
+                                       cfg.coarse_topk, None, mode="bf16")
+            assert torch.equal(cand, step["cand_ids"][r])
+            proposal = refine_last_write(
+                out.pre_write_state[None], out.last_codes[None], out.last_rms[None],
+                cand[None], torch.tensor([seq[p]]), ref.bridge, tensors["norm.weight"],
+                cfg.rms_norm_eps, ref.lm_head, torch.zeros(1))
+            assert torch.equal(proposal.draft_token_ids[0], step["draft_token_ids"][r])
+            checked += 1
+    assert checked >= 6, f"only {checked} drafting steps were checked"

@@ -1,0 +1,213 @@
+"""Candidate retrieval: FP8 coarse scoring of the whole vocabulary, exact rescoring
+(DESIGN section 1.4).
+
+    N rows to score (num_tokens: proposal rows of all requests), H hidden size,
+    V vocabulary size, k = head_topk (16), n = coarse_topk (128).
+
+`retrieve_candidates` is the public entry. The FP8 coarse scores come from
+`fp8_head_scores_kernel` on CUDA and from `fp8_head_scores_ref` (retrieval_ref.py)
+on CPU; `force_triton=True` runs the kernel on CPU tensors under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_dspine.kernels.retrieval_ref import (
+    FP8_DTYPE,
+    FP8Head,
+    exact_scores_ref,
+    fp8_head_scores_ref,
+)
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - triton ships with vLLM
+    HAS_TRITON = False
+
+__all__ = ["FP8Head", "RETRIEVAL_MODES", "fp8_matmul_available", "fp8_head_scores",
+           "retrieve_candidates"]
+
+RETRIEVAL_MODES = ("auto", "fp8", "bf16")
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def fp8_head_scores_kernel(
+        x_ptr,  # [N, H]  hidden, bf16 or fp32
+        w_ptr,  # [V, H]  float8_e4m3fn head
+        scale_ptr,  # [V]  fp32 row scales
+        out_ptr,  # [N, V]  fp32 scores
+        N, V, H,
+        stride_xn, stride_wv, stride_on,
+        BLOCK_N: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        """One [BLOCK_N, BLOCK_V] tile of out = x @ (w * scale[:, None]).T, fp32 accumulate.
+
+        The FP8 tile is converted to x's dtype (weight-only FP8: the head is read at half
+        the bytes of BF16; the products run in bf16 on tensor cores; under the interpreter
+        the launcher passes fp32 x, see `fp8_head_scores`). The row scale is applied once
+        per output column after the H loop.
+        """
+        pid_v = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        mask_v = offs_v < V
+        mask_n = offs_n < N
+        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+            mask_h = offs_h < H
+            x = tl.load(x_ptr + offs_n[:, None] * stride_xn + offs_h[None, :],
+                        mask=mask_n[:, None] & mask_h[None, :], other=0.0)  # [BLOCK_N, BLOCK_H]
+            w = tl.load(w_ptr + offs_v[:, None] * stride_wv + offs_h[None, :],
+                        mask=mask_v[:, None] & mask_h[None, :], other=0.0)  # [BLOCK_V, BLOCK_H]
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        scale = tl.load(scale_ptr + offs_v, mask=mask_v, other=0.0)  # [BLOCK_V]
+        acc = acc * scale[None, :]
+        tl.store(out_ptr + offs_n[:, None] * stride_on + offs_v[None, :], acc,
+                 mask=mask_n[:, None] & mask_v[None, :])
+
+
+def fp8_head_scores_fwd(
+    hidden: torch.Tensor,  # [N, H] bf16 or fp32, contiguous
+    fp8_head: FP8Head,
+    block_n: int | None = None,
+    block_v: int | None = None,
+    block_h: int | None = None,
+) -> torch.Tensor:
+    """Launch `fp8_head_scores_kernel`.  -> [N, V] fp32"""
+    assert HAS_TRITON
+    assert hidden.ndim == 2 and hidden.is_contiguous()
+    assert fp8_head.weight.is_contiguous() and fp8_head.scale.is_contiguous()
+    N, H = hidden.shape
+    V = fp8_head.vocab_size
+    interpret = not hidden.is_cuda
+    # tl.dot needs every block dim >= 16. Under the interpreter each program costs a
+    # numpy call per op, so few, large tiles are fastest there.
+    if block_n is None:
+        block_n = 16 if N <= 16 else (64 if N <= 64 else 128)
+    if block_v is None:
+        block_v = 256 if interpret else 128
+    if block_h is None:
+        block_h = 128 if interpret else 64
+    out = torch.empty(N, V, dtype=torch.float32, device=hidden.device)
+    grid = (triton.cdiv(V, block_v), triton.cdiv(N, block_n))
+    fp8_head_scores_kernel[grid](
+        hidden, fp8_head.weight, fp8_head.scale, out,
+        N, V, H,
+        hidden.stride(0), fp8_head.weight.stride(0), out.stride(0),
+        BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h,
+    )
+    return out
+
+
+def fp8_head_scores(
+    hidden: torch.Tensor,  # [N, H]
+    fp8_head: FP8Head,
+    force_triton: bool = False,
+) -> torch.Tensor:
+    """Approximate logits over the whole vocabulary with the FP8 head.  -> [N, V] fp32
+
+    CUDA tensors (or `force_triton=True`, e.g. on CPU under TRITON_INTERPRET=1) run the
+    Triton kernel; CPU tensors otherwise run the dequantizing reference.
+    """
+    if hidden.ndim != 2 or hidden.shape[1] != fp8_head.hidden_size:
+        raise ValueError(f"hidden must be [num_tokens, {fp8_head.hidden_size}], got shape "
+                         f"{tuple(hidden.shape)}")
+    if hidden.device != fp8_head.weight.device:
+        raise ValueError(f"hidden is on {hidden.device} but the FP8 head is on "
+                         f"{fp8_head.weight.device}; build FP8Head on the model's device")
+    if hidden.is_cuda or force_triton:
+        if not HAS_TRITON:
+            raise ValueError("the FP8 head kernel needs triton; install it or use mode='bf16'")
+        # Triton 3.9's interpreter computes bf16 tl.dot wrongly (results ~1e10 off, seen
+        # here), so off-GPU the kernel runs in fp32; on CUDA bf16 hidden feeds tensor cores.
+        keep = hidden.is_cuda and hidden.dtype == torch.bfloat16
+        x = hidden if keep else hidden.float()
+        return fp8_head_scores_fwd(x.contiguous(), fp8_head)
+    return fp8_head_scores_ref(hidden, fp8_head)
+
+
+def fp8_matmul_available(device: torch.device | str) -> bool:
+    """FP8 coarse scoring pays off only where the GPU has FP8 support (sm >= 8.9)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _resolve_mode(mode: str, fp8_head: FP8Head | None, device: torch.device) -> str:
+    if mode not in RETRIEVAL_MODES:
+        raise ValueError(f"retrieval mode must be one of {RETRIEVAL_MODES}, got {mode!r}")
+    if mode == "auto":
+        return "fp8" if fp8_head is not None and fp8_matmul_available(device) else "bf16"
+    if mode == "fp8" and fp8_head is None:
+        raise ValueError("retrieval mode 'fp8' needs an FP8Head; build one at load with "
+                         "FP8Head.from_head(head_weight) or use mode='bf16'")
+    if mode == "fp8" and device.type == "cuda" and not fp8_matmul_available(device):
+        raise ValueError(f"retrieval mode 'fp8' needs a GPU with compute capability >= 8.9 "
+                         f"(FP8 conversion in the kernel); {device} has "
+                         f"{torch.cuda.get_device_capability(device)}; use 'auto' or 'bf16'")
+    return mode
+
+
+def _sort_by_exact_score(
+    hidden: torch.Tensor,  # [N, H]
+    head_weight: torch.Tensor,  # [V, H]
+    ids: torch.Tensor,  # [N, n]
+    keep: int,
+) -> torch.Tensor:
+    """Rescore `ids` exactly and keep the best `keep`, descending.  -> [N, keep] int64"""
+    exact = exact_scores_ref(hidden, head_weight, ids)  # [N, n]
+    order = exact.topk(keep, dim=1, sorted=True).indices  # [N, keep]
+    return ids.gather(1, order)
+
+
+def retrieve_candidates(
+    final_hidden: torch.Tensor,  # [N, H]  after the final norm
+    head_weight: torch.Tensor,  # [V, H]  bf16 or fp32 output head
+    head_topk: int,
+    coarse_topk: int,
+    fp8_head: FP8Head | None = None,
+    mode: str = "auto",
+    force_triton: bool = False,
+) -> torch.Tensor:
+    """The `head_topk` best vocabulary ids per row, sorted by exact score, descending.
+
+    mode "fp8": FP8 scores over the whole vocabulary, keep `coarse_topk`, rescore those
+    exactly (the head's values in fp32), keep `head_topk`.  mode "bf16": the same with the
+    head in its own dtype for the full-vocabulary scores (so the result is the exact top
+    `head_topk` unless bf16 rounding pushes one of them below the `coarse_topk`-th).  mode "auto": "fp8" where an FP8Head is given and the device has FP8 support
+    (CUDA, sm >= 8.9), else "bf16".  Returns cand_ids [N, head_topk] int64.
+    """
+    if final_hidden.ndim != 2 or head_weight.ndim != 2 \
+            or final_hidden.shape[1] != head_weight.shape[1]:
+        raise ValueError(f"final_hidden [N, H] and head_weight [V, H] must share H; got "
+                         f"{tuple(final_hidden.shape)} and {tuple(head_weight.shape)}")
+    V = head_weight.shape[0]
+    if not 0 < head_topk <= coarse_topk <= V:
+        raise ValueError(f"need 0 < head_topk <= coarse_topk <= vocab_size, got head_topk="
+                         f"{head_topk}, coarse_topk={coarse_topk}, vocab_size={V}")
+    resolved = _resolve_mode(mode, fp8_head, final_hidden.device)
+    if resolved == "fp8":
+        assert fp8_head is not None
+        if fp8_head.weight.shape != head_weight.shape:
+            raise ValueError(f"FP8Head is {tuple(fp8_head.weight.shape)} but the head is "
+                             f"{tuple(head_weight.shape)}; rebuild it from this head")
+        coarse = fp8_head_scores(final_hidden, fp8_head, force_triton)  # [N, V]
+        coarse_ids = coarse.topk(coarse_topk, dim=1, sorted=False).indices  # [N, n]
+        return _sort_by_exact_score(final_hidden, head_weight, coarse_ids, head_topk)
+    # BF16 path: the full-vocabulary product in the head's dtype (what the target's own
+    # logits use). Its bf16-rounded scores tie often near the 16th place, so the best
+    # `coarse_topk` of them are rescored exactly, as on the FP8 path, and 16 kept.
+    scores = final_hidden.to(head_weight.dtype) @ head_weight.t()  # [N, V]
+    top_ids = scores.topk(coarse_topk, dim=1, sorted=False).indices  # [N, n]
+    return _sort_by_exact_score(final_hidden, head_weight, top_ids, head_topk)

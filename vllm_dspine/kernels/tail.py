@@ -1,0 +1,357 @@
+"""The serial tail: score tables of the refined last write, and the walk through them
+(DESIGN section 1.5).
+
+    R requests, B block rows (row 0 = anchor), K = B - 1 proposal rows,
+    k = head_topk candidates per row, H hidden, C code width, M message width, V vocab.
+
+Steps, in order (`refine_last_write` runs them all):
+1. `tail_score_tables`: S [R, K, k, k], S[r, t-1, i, j] = score of candidate j of row t
+   when row t's predecessor is candidate i of row t-1 (the anchor for t = 1). With
+   `TailTables` this costs M-wide work per pair; without, the direct H-wide formula of
+   `tail_ref.py` runs.
+2. `serial_tail`: the greedy walk or the sampled chain through S, per request.
+
+Nothing here is a Triton kernel: the work per pair is small, batched torch ops serve
+CPU and CUDA alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from vllm_dspine.kernels.bridge_ref import BridgeWeights
+from vllm_dspine.kernels.tail_ref import (
+    check_tail_inputs,
+    predecessor_candidates,
+    tail_score_tables_ref,
+)
+from vllm_dspine.proposal import SparseProposal
+
+__all__ = ["SAMPLING_EPS", "TailTables", "tail_score_tables", "filter_candidate_probs",
+           "serial_tail", "refine_last_write"]
+
+# vLLM's `_SAMPLING_EPS`: a temperature below it is greedy.
+SAMPLING_EPS = 1e-5
+
+# Vocabulary rows per step when building the tables (bounds fp32 temporaries).
+_CHUNK_ROWS = 16384
+
+
+@dataclass
+class TailTables:
+    """Per-token tables that take the H-wide work out of the per-pair scores.
+
+    pred_proj   = [E Gp^T | E A^T]     predecessor gate and value of every token
+                                       (without the sqrt(C) factor)
+    head_write  = (head * g) W_L       the head row seen through the last write
+    gram        = W_L^T W_L            for the norm of x'
+    Built once at load; fp32 by default (about 1.5 GiB at the released sizes).
+    """
+
+    pred_proj: torch.Tensor  # [V, 2M]
+    head_write: torch.Tensor  # [V, M]
+    gram: torch.Tensor  # [M, M]
+
+    @property
+    def message_dim(self) -> int:
+        return self.gram.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        weights: BridgeWeights,
+        head_weight: torch.Tensor,  # [V, H]
+        norm_weight: torch.Tensor,  # [H]
+        dtype: torch.dtype = torch.float32,
+    ) -> "TailTables":
+        V, H = head_weight.shape
+        M = weights.message_dim
+        if weights.codebook.shape[0] != V:
+            raise ValueError(f"codebook has {weights.codebook.shape[0]} rows but the head has "
+                             f"{V}; the drafter and target vocabularies must match")
+        if norm_weight.shape != (H,):
+            raise ValueError(f"norm_weight must be [{H}], got {tuple(norm_weight.shape)}")
+        device = head_weight.device
+        write = weights.write[-1].float()  # [H, M]
+        proj = torch.cat([weights.gate_pred, weights.value], dim=0).float()  # [2M, C]
+        g = norm_weight.float()  # [H]
+        pred_proj = torch.empty(V, 2 * M, dtype=dtype, device=device)
+        head_write = torch.empty(V, M, dtype=dtype, device=device)
+        for start in range(0, V, _CHUNK_ROWS):
+            stop = min(start + _CHUNK_ROWS, V)
+            pred_proj[start:stop] = weights.codebook[start:stop].float() @ proj.t()
+            head_write[start:stop] = (head_weight[start:stop].float() * g) @ write
+        gram = (write.t() @ write).to(dtype)  # [M, M]
+        return cls(pred_proj=pred_proj, head_write=head_write, gram=gram)
+
+
+@contextlib.contextmanager
+def _no_tf32():
+    """True fp32 matmuls on CUDA while the tables are scored (restored afterwards)."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _tail_score_tables_fast(
+    x_last: torch.Tensor,  # [R, B, H]
+    codes: torch.Tensor,  # [R, B, C]
+    rms: torch.Tensor,  # [R, B]
+    cand_ids: torch.Tensor,  # [R, K, k]
+    anchor_ids: torch.Tensor,  # [R]
+    weights: BridgeWeights,
+    norm_weight: torch.Tensor,  # [H]
+    norm_eps: float,
+    head_weight: torch.Tensor,  # [V, H]
+    tables: TailTables,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """S by the tables: per pair only M-wide products.  -> [R, K, k, k]
+
+    <head[v], norm(x')> = <head[v] * g, x'> / rms(x'), and with x' = x + r W_L m:
+        <head[v] * g, x'> = <head[v] * g, x> + r <HW[v], m>
+        rms(x')^2         = (||x||^2 + 2 r <W_L^T x, m> + r^2 m^T Gram m) / H + eps
+    The H-wide terms (<head[v] * g, x>, W_L^T x, ||x||^2) are per row or per candidate.
+    """
+    R, B, H = x_last.shape
+    K, k = B - 1, cand_ids.shape[2]
+    M = tables.message_dim
+    scale = math.sqrt(weights.code_dim)
+    ids = cand_ids.long()
+    x = x_last[:, 1:].to(dtype)  # [R, K, H]
+    r = rms[:, 1:].to(dtype)  # [R, K]
+    recv = codes[:, 1:].to(dtype) @ weights.gate_recv.to(dtype).t() \
+        + weights.gate_bias.to(dtype)  # [R, K, M]
+    pe = tables.pred_proj[predecessor_candidates(ids, anchor_ids)].to(dtype)  # [R, K, k, 2M]
+    m = torch.sigmoid(recv[:, :, None, :] + scale * pe[..., :M]) \
+        * (scale * pe[..., M:])  # [R, K, k(u), M]
+
+    head_g = head_weight[ids].to(dtype) * norm_weight.to(dtype)  # [R, K, k(v), H]
+    hx = torch.einsum("rtjh,rth->rtj", head_g, x)  # [R, K, k(v)]
+    hw = tables.head_write[ids].to(dtype)  # [R, K, k(v), M]
+    numer = hx[:, :, None, :] + r[:, :, None, None] * torch.einsum(
+        "rtim,rtjm->rtij", m, hw)  # [R, K, k(u), k(v)]
+
+    wtx = x @ weights.write[-1].to(dtype)  # [R, K, M]  W_L^T x
+    xx = x.pow(2).sum(dim=-1)  # [R, K]
+    cross = (m * wtx[:, :, None, :]).sum(dim=-1)  # [R, K, k(u)]
+    quad = ((m @ tables.gram.to(dtype)) * m).sum(dim=-1)  # [R, K, k(u)]
+    mean_sq = (xx[:, :, None] + 2 * r[:, :, None] * cross
+               + r[:, :, None].pow(2) * quad) / H  # [R, K, k(u)]
+    return numer * torch.rsqrt(mean_sq + norm_eps)[..., None]
+
+
+def tail_score_tables(
+    x_last: torch.Tensor,  # [R, B, H]  state after the last layer, before its write
+    codes: torch.Tensor,  # [R, B, C]  that layer's read codes (row 0: sqrt(C) E[anchor])
+    rms: torch.Tensor,  # [R, B]
+    cand_ids: torch.Tensor,  # [R, K, k]  candidates of rows 1..K, by exact score
+    anchor_ids: torch.Tensor,  # [R]
+    weights: BridgeWeights,
+    norm_weight: torch.Tensor,  # [H]  final-norm weight g
+    norm_eps: float,
+    head_weight: torch.Tensor,  # [V, H]
+    tables: TailTables | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """S[r, t-1, i, j] = < head[v_j], norm(x'_t(u_i)) >  -> [R, K, k, k] in `dtype`.
+
+    u_i = cand_ids[r, t-2, i] (the anchor for t = 1), v_j = cand_ids[r, t-1, j].
+    With `tables` the M-wide factorisation runs, else the direct formula. Use float64 when
+    any row samples (the sampled chain's probabilities come from this table).
+    """
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"tail tables are scored in float32 or float64, got {dtype}")
+    if cand_ids.ndim != 3 or x_last.ndim != 3 or cand_ids.shape[:2] != (
+            x_last.shape[0], x_last.shape[1] - 1):
+        raise ValueError(f"cand_ids must be [num_reqs, block_size - 1, head_topk] for x_last "
+                         f"{tuple(x_last.shape)}, got {tuple(cand_ids.shape)}")
+    check_tail_inputs(x_last, codes, rms, cand_ids, anchor_ids, weights, norm_weight,
+                      head_weight)
+    ctx = _no_tf32() if x_last.is_cuda else contextlib.nullcontext()
+    with ctx:
+        if tables is None:
+            return tail_score_tables_ref(x_last, codes, rms, cand_ids, anchor_ids, weights,
+                                         norm_weight, norm_eps, head_weight, dtype)
+        if tables.head_write.shape[0] != head_weight.shape[0] \
+                or tables.message_dim != weights.message_dim:
+            raise ValueError("TailTables do not fit these weights; rebuild them with "
+                             "TailTables.build(weights, head_weight, norm_weight)")
+        return _tail_score_tables_fast(x_last, codes, rms, cand_ids, anchor_ids, weights,
+                                       norm_weight, norm_eps, head_weight, tables, dtype)
+
+
+def _softmax(logits: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim, written out. On CPU, torch's `softmax` and `max(dim)`
+    went parallel even on an [8, 16] tensor and took ~7-16 ms per call with 2 threads on a
+    loaded 2-core machine (0.004 ms with 1 thread): the sampled walk took 0.4 s instead of
+    7 ms. `amax` and element-wise ops stay serial at this size."""
+    z = logits - logits.amax(dim=-1, keepdim=True)
+    e = z.exp()
+    return e / e.sum(dim=-1, keepdim=True)
+
+
+def filter_candidate_probs(
+    logits: torch.Tensor,  # [R, k]  S / T (already divided by the temperature)
+    top_k: torch.Tensor | None,  # [R] int; <= 0 or >= k: off
+    top_p: torch.Tensor | None,  # [R] float in (0, 1]; 1: off
+    min_p: torch.Tensor | None,  # [R] float in [0, 1]; 0: off
+) -> torch.Tensor:
+    """vLLM's sampler filters, applied to a k-way distribution.  -> probs [R, k]
+
+    Order and tie rules as vLLM 0.32.0's `Sampler.sample` (temperature, then the min-p
+    processor, then top-k, then top-p, then softmax):
+    - min_p: drop j with p_j < min_p * max p (p = softmax of the scaled logits).
+    - top_k: keep the entries >= the k-th largest logit (ties at the boundary stay).
+    - top_p: over what is left, sort ascending, drop entries whose ascending cumulative
+      probability is <= 1 - top_p; the largest entry always stays.
+    """
+    logits = logits.clone()
+    R, k = logits.shape
+    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    if min_p is not None:
+        probs = _softmax(logits)
+        thresh = probs.amax(dim=-1, keepdim=True) * min_p.to(logits.dtype)[:, None]
+        logits = torch.where(probs < thresh, neg_inf, logits)
+    if top_k is not None:
+        kk = top_k.long().clamp(min=0)
+        kk = torch.where((kk <= 0) | (kk >= k), torch.full_like(kk, k), kk)  # [R]
+        sorted_desc = logits.sort(dim=-1, descending=True).values  # [R, k]
+        kth = sorted_desc.gather(1, (kk - 1)[:, None])  # [R, 1]
+        logits = torch.where(logits < kth, neg_inf, logits)
+    if top_p is not None:
+        sorted_asc, idx = logits.sort(dim=-1, descending=False, stable=True)  # [R, k]
+        cum = _softmax(sorted_asc).cumsum(dim=-1)  # [R, k]
+        drop = cum <= (1 - top_p.to(logits.dtype))[:, None]
+        drop[:, -1] = False
+        sorted_asc = torch.where(drop, neg_inf, sorted_asc)
+        logits = torch.empty_like(logits).scatter_(1, idx, sorted_asc)
+    return _softmax(logits)
+
+
+def _draw_uniforms(
+    sampled: torch.Tensor,  # [R] bool (on CPU)
+    K: int,
+    generators: list[torch.Generator | None],
+    device: torch.device,
+) -> torch.Tensor:
+    """One uniform per proposal row: [R, K] float64.
+
+    A request with its own generator draws its K uniforms from it (so the same seed gives
+    the same chain whatever the batch); the others share one draw from the global RNG.
+    Greedy requests draw nothing.
+    """
+    R = sampled.shape[0]
+    u = torch.zeros(R, K, dtype=torch.float64, device=device)
+    rows = [i for i in range(R) if bool(sampled[i])]
+    shared = [i for i in rows if generators[i] is None]
+    if shared:
+        u[shared] = torch.rand(len(shared), K, dtype=torch.float64, device=device)
+    for i in rows:
+        if generators[i] is not None:
+            u[i] = torch.rand(K, dtype=torch.float64, device=device, generator=generators[i])
+    return u
+
+
+def serial_tail(
+    S: torch.Tensor,  # [R, K, k, k]  score tables (float64 when any row samples)
+    cand_ids: torch.Tensor,  # [R, K, k]
+    temperature: torch.Tensor,  # [R]  0 (below 1e-5) = greedy
+    top_k: torch.Tensor | None = None,  # [R] int
+    top_p: torch.Tensor | None = None,  # [R] float
+    min_p: torch.Tensor | None = None,  # [R] float
+    generators: list[torch.Generator | None] | None = None,  # R entries; None = global RNG
+) -> SparseProposal:
+    """Walk the tables row by row.
+
+    Greedy requests: j_1 = argmax_j S[0, 0, j], j_t = argmax_j S[t-1, j_{t-1}, j].
+    Sampled requests: q_t(. | i) = filtered softmax of S[t-1, i, :] / T, j_1 ~ q_1(. | 0),
+    j_t ~ q_t(. | j_{t-1}) by inverse CDF of one uniform per row; the q each token was drawn
+    from is retained. Row 1's table rows are all the anchor's, so i = 0 stands for it.
+    """
+    if S.ndim != 4 or S.shape[2] != S.shape[3] or S.shape[:3] != cand_ids.shape:
+        raise ValueError(f"S must be [num_reqs, K, k, k] matching cand_ids [num_reqs, K, k]; "
+                         f"got S {tuple(S.shape)}, cand_ids {tuple(cand_ids.shape)}")
+    R, K, k, _ = S.shape
+    if temperature.shape != (R,):
+        raise ValueError(f"temperature must be [{R}], got {tuple(temperature.shape)}")
+    for name, t in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
+        if t is not None and t.shape != (R,):
+            raise ValueError(f"{name} must be [{R}] or None, got {tuple(t.shape)}")
+    if generators is None:
+        generators = [None] * R
+    if len(generators) != R:
+        raise ValueError(f"generators must have one entry per request ({R}), got "
+                         f"{len(generators)}; use None for the global RNG")
+    if bool((temperature < 0).any()):
+        raise ValueError(f"temperature must be >= 0, got {temperature.tolist()}")
+    if top_p is not None and bool(((top_p <= 0) | (top_p > 1)).any()):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p.tolist()}")
+    if min_p is not None and bool(((min_p < 0) | (min_p > 1)).any()):
+        raise ValueError(f"min_p must be in [0, 1], got {min_p.tolist()}")
+
+    device = S.device
+    greedy = (temperature < SAMPLING_EPS).to(device)  # [R]
+    sampled_cpu = (temperature < SAMPLING_EPS).logical_not().cpu()
+    any_sampled = bool(sampled_cpu.any())
+    work = S.to(torch.float64) if any_sampled else S  # [R, K, k, k]
+    temp = torch.where(greedy, torch.ones_like(temperature, dtype=torch.float64),
+                       temperature.to(torch.float64))  # [R]
+    u = _draw_uniforms(sampled_cpu, K, generators, device) if any_sampled else None
+
+    arange_r = torch.arange(R, device=device)
+    prev = torch.zeros(R, dtype=torch.long, device=device)  # j_{t-1}; 0 stands for the anchor
+    chosen = torch.empty(R, K, dtype=torch.long, device=device)
+    probs_out = torch.empty(R, K, k, dtype=torch.float32, device=device)
+    for t in range(K):
+        row = work[arange_r, t, prev]  # [R, k]  S_t(j_{t-1}, .)
+        j_greedy = row.argmax(dim=-1)  # [R]
+        one_hot = torch.nn.functional.one_hot(j_greedy, k).to(torch.float32)  # [R, k]
+        if any_sampled:
+            q = filter_candidate_probs(row / temp[:, None], top_k, top_p, min_p)  # [R, k]
+            cdf = q.cumsum(dim=-1)  # [R, k]
+            # Inverse CDF: j = #{cdf_j <= u * total}; an entry of probability 0 has an
+            # empty interval and is never chosen, and j <= k - 1 because u < 1.
+            j_sampled = (cdf <= (u[:, t] * cdf[:, -1])[:, None]).sum(dim=-1).clamp(max=k - 1)
+            j = torch.where(greedy, j_greedy, j_sampled)
+            probs = torch.where(greedy[:, None], one_hot, q.to(torch.float32))
+        else:
+            j, probs = j_greedy, one_hot
+        chosen[:, t] = j
+        probs_out[:, t] = probs
+        prev = j
+    ids = cand_ids.long()
+    draft = ids.gather(2, chosen[:, :, None]).squeeze(2)  # [R, K]
+    return SparseProposal(draft_token_ids=draft, cand_ids=ids, cand_probs=probs_out)
+
+
+def refine_last_write(
+    x_last: torch.Tensor,  # [R, B, H]
+    codes: torch.Tensor,  # [R, B, C]
+    rms: torch.Tensor,  # [R, B]
+    cand_ids: torch.Tensor,  # [R, K, k]
+    anchor_ids: torch.Tensor,  # [R]
+    weights: BridgeWeights,
+    norm_weight: torch.Tensor,  # [H]
+    norm_eps: float,
+    head_weight: torch.Tensor,  # [V, H]
+    temperature: torch.Tensor,  # [R]
+    top_k: torch.Tensor | None = None,  # [R]
+    top_p: torch.Tensor | None = None,  # [R]
+    min_p: torch.Tensor | None = None,  # [R]
+    generators: list[torch.Generator | None] | None = None,
+    tables: TailTables | None = None,
+) -> SparseProposal:
+    """Tables (float64 if any request samples, else float32), then the serial walk."""
+    any_sampled = bool((temperature >= SAMPLING_EPS).any())
+    dtype = torch.float64 if any_sampled else torch.float32
+    S = tail_score_tables(x_last, codes, rms, cand_ids, anchor_ids, weights, norm_weight,
+                          norm_eps, head_weight, tables, dtype)
+    return serial_tail(S, cand_ids, temperature, top_k, top_p, min_p, generators)

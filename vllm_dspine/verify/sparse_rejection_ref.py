@@ -1,0 +1,317 @@
+"""Plain PyTorch reference of exact speculative sampling with a sparse draft q.
+
+This is the CPU path and the oracle of the Triton kernels in `sparse_rejection.py`
+(DESIGN section 1.6). It works in vLLM 0.32.0's flattened layout: the draft tokens of
+all requests are concatenated into `num_tokens` rows, request `r` owning rows
+`cu_num_draft_tokens[r-1] .. cu_num_draft_tokens[r]-1` (inclusive cumsum, as vLLM's
+`SpecDecodeMetadata`). The result is vLLM's `[num_reqs, max_spec_len + 1]` int32 layout:
+accepted drafts, then the correction (or bonus) token, then -1.
+
+The draft distribution of a row is sparse: `draft_cand_ids[i]` holds `topk` (16)
+distinct token ids (-1 = padding, probability 0) and `draft_cand_probs[i]` their
+probabilities; q(v) is the probability of v when v is among the ids, else 0.
+
+Randomness is consumed exactly as vLLM 0.32.0's `rejection_sample` consumes it:
+`generate_uniform_probs` (one float64 uniform per draft token, requests with no draft
+skipped) and then `generate_inv_exp` (one Exponential(1) sample per request and vocab
+entry, reciprocal taken; requests with no draft skip their own generator). The
+recovered token of a rejected row is `argmax_v max(p(v) - q(v), 0) * inv_exp[r, v]`,
+the Gumbel-max draw from the normalised residual `[p - q]_+` that vLLM's
+`sample_recovered_tokens_kernel` makes, so that given the same generators this
+reference and vLLM's dense sampler (q scattered dense) emit identical tokens.
+
+Where vLLM's dense kernel is silent or unsafe we decide (docs/verify.md):
+  * a draft with q(v) == 0, outside [0, V), or not among its candidates is rejected;
+  * NaN target probabilities (a row whose logits are all -inf) count as 0;
+  * a residual that is 0 everywhere (p <= q up to rounding) falls back to sampling from
+    p with the same exponentials; a p that is 0 everywhere gives token 0, as vLLM's
+    own sampler does for such a row.
+Only the rejected row of a request is scored over the vocabulary (vLLM scores every
+row); the exponentials are shared by all rows of a request, so the tokens are the same.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
+from vllm.v1.sample.rejection_sampler import (
+    generate_uniform_probs as _vllm_generate_uniform_probs,
+)
+
+# Bytes of one [rows, V] score chunk in the recovered-token pass.
+_CHUNK_BYTES = 1 << 26
+
+
+def generate_uniform_probs(
+    num_tokens: int,
+    num_draft_tokens: list[int],
+    generators: dict[int, torch.Generator],
+    device: torch.device,
+) -> torch.Tensor:
+    """vLLM's own `generate_uniform_probs` (plain torch, correct on CPU).
+
+    Returns [num_tokens] float64 in [0, 1): the global RNG for all rows, then the
+    request's generator for the rows of a seeded request with at least one draft.
+    """
+    return _vllm_generate_uniform_probs(
+        num_tokens, num_draft_tokens, generators, device
+    )
+
+
+def generate_inv_exp(
+    num_draft_tokens: list[int],
+    vocab_size: int,
+    generators: dict[int, torch.Generator],
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """1 / Exponential(1) samples, [num_reqs, vocab_size], drawn as vLLM 0.32.0's
+    `sample_recovered_tokens` draws its `inv_q`: one batch draw from the global RNG,
+    then each seeded request with at least one draft redraws its own row.
+
+    dtype: float32, or float64 where vLLM's sampler uses fp64 Gumbel noise.
+    """
+    num_reqs = len(num_draft_tokens)
+    exp = torch.empty((num_reqs, vocab_size), dtype=dtype, device=device)
+    exp.exponential_()
+    for req_idx, generator in generators.items():
+        if num_draft_tokens[req_idx] > 0:
+            exp[req_idx].exponential_(generator=generator)
+    return exp.reciprocal()
+
+
+def sparse_draft_probs_at(
+    token_ids: torch.Tensor,  # [N] int64
+    draft_cand_ids: torch.Tensor,  # [N, topk] int64
+    draft_cand_probs: torch.Tensor,  # [N, topk] float32
+) -> torch.Tensor:
+    """q(token) per row from the sparse candidates: [N] float32 (0 when absent).
+
+    The ids of a row are distinct, so at most one term of the sum is non-zero and the
+    sum is exact (the same value a dense scatter of q would hold).
+    """
+    hit = draft_cand_ids == token_ids.unsqueeze(1)  # [N, topk]
+    return torch.where(hit, draft_cand_probs, 0.0).sum(dim=1)
+
+
+def sparse_recovered_tokens_ref(
+    token_idx: torch.Tensor,  # [R] int64, rows of the flattened batch to recover
+    req_idx: torch.Tensor,  # [R] int64, their requests
+    draft_cand_ids: torch.Tensor,  # [num_tokens, topk] int64
+    draft_cand_probs: torch.Tensor,  # [num_tokens, topk] float32
+    target_probs: torch.Tensor,  # [num_tokens, V] float32
+    inv_exp: torch.Tensor,  # [num_reqs, V] float32 or float64
+) -> torch.Tensor:
+    """argmax_v max(p - q, 0)(v) * inv_exp[req, v] for each given row: [R] int64.
+
+    q is never made dense: every id is scored `p * inv_exp` (the dense residual is p
+    where q is 0), then the (at most topk) candidate columns of each row are
+    overwritten with `max(p - q, 0) * inv_exp`, bitwise the values vLLM's dense
+    kernel forms. Ties go to the lowest id, as in vLLM. Rows whose best score is
+    NaN or not positive take `_recovered_tokens_careful`.
+    """
+    vocab_size = target_probs.shape[1]
+    score_dtype = torch.promote_types(target_probs.dtype, inv_exp.dtype)
+    out = torch.zeros(token_idx.shape[0], dtype=torch.int64, device=token_idx.device)
+    chunk = max(1, _CHUNK_BYTES // (8 * vocab_size))
+    for lo in range(0, token_idx.shape[0], chunk):
+        rows = token_idx[lo : lo + chunk]  # [c]
+        reqs = req_idx[lo : lo + chunk]  # [c]
+        ids = draft_cand_ids[rows]  # [c, topk]
+        real = (ids >= 0) & (ids < vocab_size)  # [c, topk]
+        safe_ids = torch.where(real, ids, 0)  # [c, topk]
+        cand_p = target_probs[rows[:, None], safe_ids]  # [c, topk]
+        cand_e = inv_exp[reqs[:, None], safe_ids]  # [c, topk]
+        cand_score = (cand_p - draft_cand_probs[rows]).clamp_min(0.0) * cand_e
+
+        score = target_probs[rows].to(score_dtype)  # [c, V]
+        score.mul_(inv_exp[reqs])
+        # Padding slots write column 0 with the value column 0 must end with:
+        # E.g. ids [5, -1] -> write col 5 <- residual score, col 0 <- score[:, 0]
+        # (or col 0's residual score when 0 is itself a candidate of the row).
+        zero_cand = real & (ids == 0)  # [c, topk]
+        col0 = torch.where(
+            zero_cand.any(dim=1),
+            torch.where(zero_cand, cand_score, 0.0).sum(dim=1),
+            score[:, 0],
+        )  # [c]
+        values = torch.where(real, cand_score, col0[:, None])  # [c, topk]
+        score.scatter_(1, safe_ids, values)
+        best, token = score.max(dim=1)  # NaN anywhere in a row -> best is NaN
+        careful = ~(best > 0)
+        if bool(careful.any()):
+            token[careful] = _recovered_tokens_careful(
+                rows[careful], reqs[careful], draft_cand_ids, draft_cand_probs,
+                target_probs, inv_exp,
+            )
+        out[lo : lo + chunk] = token
+    return out
+
+
+def _recovered_tokens_careful(
+    rows: torch.Tensor,  # [c] int64
+    reqs: torch.Tensor,  # [c] int64
+    draft_cand_ids: torch.Tensor,  # [num_tokens, topk]
+    draft_cand_probs: torch.Tensor,  # [num_tokens, topk]
+    target_probs: torch.Tensor,  # [num_tokens, V]
+    inv_exp: torch.Tensor,  # [num_reqs, V]
+) -> torch.Tensor:
+    """The recovered token where NaN or a vanished residual need care: NaN scores
+    count as 0; a residual that is 0 everywhere falls back to sampling from p with
+    the same exponentials; p that is 0 (or NaN) everywhere gives token 0."""
+    vocab_size = target_probs.shape[1]
+    probs = target_probs[rows]  # [c, V]
+    exps = inv_exp[reqs]  # [c, V]
+    ids = draft_cand_ids[rows]  # [c, topk]
+    real = (ids >= 0) & (ids < vocab_size)
+    residual = probs.clone()
+    # Padding ids point at column 0 and add -0.0, which leaves p[0] unchanged.
+    neg_q = torch.where(real, -draft_cand_probs[rows], -0.0)
+    residual.scatter_add_(1, torch.where(real, ids, 0), neg_q)
+    score = torch.nan_to_num_(
+        residual.clamp_min_(0.0) * exps, nan=0.0, posinf=float("inf")
+    )  # [c, V]
+    best, token = score.max(dim=1)
+    empty = ~(best > 0)
+    if bool(empty.any()):
+        p_score = torch.nan_to_num_(
+            probs[empty] * exps[empty], nan=0.0, posinf=float("inf")
+        )
+        token[empty] = p_score.argmax(dim=1)
+    return token
+
+
+def sparse_rejection_sample_ref(
+    draft_token_ids: torch.Tensor,  # [num_tokens] int
+    num_draft_tokens: list[int],  # [num_reqs]
+    max_spec_len: int,
+    cu_num_draft_tokens: torch.Tensor,  # [num_reqs] int32, inclusive cumsum
+    draft_cand_ids: torch.Tensor | None,  # [num_tokens, topk] int64
+    draft_cand_probs: torch.Tensor | None,  # [num_tokens, topk] float32
+    target_probs: torch.Tensor | None,  # [num_tokens, V] float32, processed + softmaxed
+    bonus_token_ids: torch.Tensor,  # [num_reqs, 1] int
+    is_greedy: torch.Tensor | None,  # [num_reqs] bool; None: every request random
+    target_argmax: torch.Tensor | None,  # [num_tokens] int; None: from target_probs
+    uniform_probs: torch.Tensor | None,  # [num_tokens] float64
+    inv_exp: torch.Tensor | None,  # [num_reqs, V] float32/float64
+) -> torch.Tensor:
+    """Exact speculative sampling with a sparse q; returns [num_reqs, max_spec_len + 1]
+    int32 tokens, -1 after the correction/bonus token.
+
+    Greedy requests: accept while draft == target argmax, then emit the argmax; bonus
+    when all match. Random requests: accept v with probability min(1, p(v) / q(v))
+    (`p / q >= u`, vLLM's test); on the first rejection emit the recovered token
+    (see `sparse_recovered_tokens_ref`); bonus when all are accepted.
+
+    target_probs None means an all-greedy batch (then target_argmax is required and
+    the draft candidates, uniforms and exponentials are not read).
+    """
+    num_reqs = len(num_draft_tokens)
+    num_tokens = draft_token_ids.shape[0]
+    device = draft_token_ids.device
+    assert draft_token_ids.ndim == 1
+    assert cu_num_draft_tokens.shape == (num_reqs,)
+    assert bonus_token_ids.shape[0] == num_reqs
+    assert sum(num_draft_tokens) == num_tokens
+    assert max(num_draft_tokens, default=0) <= max_spec_len
+
+    output = torch.full(
+        (num_reqs, max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int32,
+        device=device,
+    )
+    if num_reqs == 0:
+        return output
+    all_greedy = target_probs is None
+    if all_greedy:
+        assert target_argmax is not None, "an all-greedy batch needs target_argmax"
+        is_greedy = torch.ones(num_reqs, dtype=torch.bool, device=device)
+
+    num_drafts = torch.tensor(num_draft_tokens, dtype=torch.int64, device=device)
+    # E.g. num_draft_tokens [2, 0, 3] -> token_req [0, 0, 2, 2, 2],
+    # token_pos [0, 1, 0, 1, 2].
+    token_req = torch.repeat_interleave(
+        torch.arange(num_reqs, device=device), num_drafts
+    )  # [num_tokens]
+    req_start = cu_num_draft_tokens.long() - num_drafts  # [num_reqs]
+    token_pos = torch.arange(num_tokens, device=device) - req_start[token_req]
+    drafts = draft_token_ids.long()  # [num_tokens]
+
+    token_greedy = (
+        torch.zeros(num_tokens, dtype=torch.bool, device=device)
+        if is_greedy is None
+        else is_greedy.to(device)[token_req]
+    )  # [num_tokens]
+    any_greedy = is_greedy is not None and bool(is_greedy.any())
+    any_random = not all_greedy and (is_greedy is None or not bool(is_greedy.all()))
+    if any_greedy and target_argmax is None:
+        target_argmax = target_probs.argmax(dim=-1)
+
+    accepted = torch.zeros(num_tokens, dtype=torch.bool, device=device)
+    if any_greedy:
+        accepted = torch.where(token_greedy, drafts == target_argmax.long(), accepted)
+    if any_random:
+        assert draft_cand_ids is not None and draft_cand_probs is not None
+        assert uniform_probs is not None and inv_exp is not None
+        vocab_size = target_probs.shape[1]
+        in_vocab = (drafts >= 0) & (drafts < vocab_size)
+        q_draft = sparse_draft_probs_at(drafts, draft_cand_ids, draft_cand_probs)
+        p_draft = target_probs.gather(1, drafts.clamp(0, vocab_size - 1)[:, None])
+        # float32 ratio compared with the float64 uniform, as vLLM's kernel does;
+        # q == 0 is guarded (never accepted) rather than divided by.
+        ratio = p_draft.squeeze(1) / torch.where(q_draft > 0, q_draft, 1.0)
+        random_ok = in_vocab & (q_draft > 0) & (ratio >= uniform_probs)
+        accepted = torch.where(token_greedy, accepted, random_ok)
+
+    # Accepted prefix length per request: padded positions count as accepted so the
+    # cumulative product runs to max_spec_len, then it is capped at the draft count.
+    accept_grid = torch.ones(
+        (num_reqs, max(max_spec_len, 1)), dtype=torch.int64, device=device
+    )  # [num_reqs, max_spec_len]
+    accept_grid[token_req, token_pos] = accepted.long()
+    num_accepted = torch.minimum(accept_grid.cumprod(dim=1).sum(dim=1), num_drafts)
+
+    keep = token_pos < num_accepted[token_req]  # [num_tokens]
+    output[token_req[keep], token_pos[keep]] = drafts[keep].to(torch.int32)
+
+    all_accepted = num_accepted == num_drafts  # [num_reqs]
+    reqs_bonus = all_accepted.nonzero().squeeze(1)
+    output[reqs_bonus, num_drafts[reqs_bonus]] = (
+        bonus_token_ids.reshape(num_reqs)[reqs_bonus].to(torch.int32)
+    )
+
+    rejected = ~all_accepted
+    if any_greedy:
+        req_g = (rejected & is_greedy.to(device)).nonzero().squeeze(1)
+        tok_g = req_start[req_g] + num_accepted[req_g]
+        output[req_g, num_accepted[req_g]] = target_argmax.long()[tok_g].to(torch.int32)
+    if any_random:
+        random_req = (
+            rejected if is_greedy is None else rejected & ~is_greedy.to(device)
+        )
+        req_r = random_req.nonzero().squeeze(1)
+        if req_r.numel() > 0:
+            tok_r = req_start[req_r] + num_accepted[req_r]
+            recovered = sparse_recovered_tokens_ref(
+                tok_r, req_r, draft_cand_ids, draft_cand_probs, target_probs, inv_exp
+            )
+            output[req_r, num_accepted[req_r]] = recovered.to(torch.int32)
+    return output
+
+
+def sparse_to_dense_probs(
+    draft_cand_ids: torch.Tensor,  # [N, topk] int64, -1 = padding
+    draft_cand_probs: torch.Tensor,  # [N, topk] float32
+    vocab_size: int,
+) -> torch.Tensor:
+    """q scattered dense: [N, vocab_size] float32 (for vLLM's dense sampler, tests)."""
+    real = (draft_cand_ids >= 0) & (draft_cand_ids < vocab_size)
+    dense = torch.zeros(
+        (draft_cand_ids.shape[0], vocab_size), dtype=torch.float32,
+        device=draft_cand_ids.device,
+    )
+    dense.scatter_add_(
+        1, torch.where(real, draft_cand_ids, 0),
+        torch.where(real, draft_cand_probs.float(), 0.0),
+    )
+    return dense
