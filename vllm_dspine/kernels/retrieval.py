@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from vllm_dspine.kernels.retrieval_ref import (
-    FP8_DTYPE,
     FP8Head,
     exact_scores_ref,
     fp8_head_scores_ref,
@@ -185,8 +184,9 @@ def retrieve_candidates(
     mode "fp8": FP8 scores over the whole vocabulary, keep `coarse_topk`, rescore those
     exactly (the head's values in fp32), keep `head_topk`.  mode "bf16": the same with the
     head in its own dtype for the full-vocabulary scores (so the result is the exact top
-    `head_topk` unless bf16 rounding pushes one of them below the `coarse_topk`-th).  mode "auto": "fp8" where an FP8Head is given and the device has FP8 support
-    (CUDA, sm >= 8.9), else "bf16".  Returns cand_ids [N, head_topk] int64.
+    `head_topk` unless bf16 rounding pushes one of them below the `coarse_topk`-th).
+    mode "auto": "fp8" where an FP8Head is given and the device has FP8 support (CUDA,
+    sm >= 8.9), else "bf16".  Returns cand_ids [N, head_topk] int64.
     """
     if final_hidden.ndim != 2 or head_weight.ndim != 2 \
             or final_hidden.shape[1] != head_weight.shape[1]:

@@ -1,0 +1,93 @@
+"""The patch module: each patch does what it says, is idempotent, and refuses another
+vLLM version. The CPU expand fix is tested against the bug it fixes (FINDINGS.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_utils import engine_env
+
+engine_env()
+
+
+@pytest.fixture(scope="module")
+def patched():
+    from vllm_dspine.vllm_patches import apply_patches
+
+    apply_patches()
+    apply_patches()  # idempotent
+    return True
+
+
+def test_vllm_cpu_expand_override_is_broken_for_floats():
+    """The bug itself: vLLM's CPU override writes into an int64 copy of a float
+    output and never copies back, so the output keeps whatever it held."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    CpuPlatform.import_kernels()
+    from vllm.utils import cpu_triton_utils
+    from vllm_dspine import vllm_patches
+
+    vanilla = cpu_triton_utils._expand_kernel_impl
+    if vanilla is vllm_patches._expand_kernel_impl:
+        pytest.skip("patched in this process already; the vanilla function is gone")
+    out = torch.full((5,), float("nan"))
+    vanilla(out, torch.tensor([1.5, 0.7]), torch.tensor([3, 5], dtype=torch.int32), 0, 1)
+    assert torch.isnan(out).all()
+
+
+def test_expand_batch_to_tokens_correct_after_patch(patched):
+    """FINDINGS' reproducer: per-token temperatures must be [1.5, 1.5, 1.5, 0.7, 0.7]."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    CpuPlatform.import_kernels()
+    CpuPlatform.register_triton_kernel_overrides()
+    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+
+    out = expand_batch_to_tokens(torch.tensor([1.5, 0.7]),
+                                 torch.tensor([3, 5], dtype=torch.int32), 5, 0, 1)
+    assert torch.equal(out, torch.tensor([1.5, 1.5, 1.5, 0.7, 0.7]))
+    # Greedy temperature 0 is replaced (replace_from=0 -> replace_to=1), ints too.
+    out = expand_batch_to_tokens(torch.tensor([0.0, 2.0, 0.5]),
+                                 torch.tensor([1, 1, 3], dtype=torch.int32), 3, 0, 1)
+    assert torch.equal(out, torch.tensor([1.0, 0.5, 0.5]))
+    ints = expand_batch_to_tokens(torch.tensor([7, 9]), torch.tensor([2, 3]), 3)
+    assert torch.equal(ints, torch.tensor([7, 7, 9]))
+
+
+def test_dspine_method_translated_and_options_checked(patched):
+    from vllm_dspine.vllm_patches import split_dspine_options
+
+    spec, opts = split_dspine_options({"method": "dspine", "model": "/d",
+                                       "num_speculative_tokens": 15,
+                                       "dspine_retrieval": "bf16"})
+    assert spec == {"method": "dflash", "model": "/d", "num_speculative_tokens": 15}
+    assert opts == {"dspine_retrieval": "bf16"}
+    with pytest.raises(ValueError, match="needs 'model'"):
+        split_dspine_options({"method": "dspine"})
+
+
+def test_other_vllm_version_refused(monkeypatch):
+    import vllm
+
+    from vllm_dspine.vllm_patches import apply_patches
+
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(RuntimeError, match=r"pinned to vLLM 0.32.0.*0.33.0 is installed"):
+        apply_patches()
+
+
+def test_min_p_and_logit_bias_allowed_only_for_dspine(patched):
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    sp = SamplingParams(min_p=0.1, logit_bias={3: 1.0})
+    dspine = SimpleNamespace(draft_model_config=SimpleNamespace(
+        hf_config=SimpleNamespace(dspine_config={"block_size": 16})))
+    other = SimpleNamespace(draft_model_config=SimpleNamespace(
+        hf_config=SimpleNamespace()))
+    sp._validate_spec_decode(dspine)  # DSpine verifies min_p/logit_bias exactly
+    with pytest.raises(Exception, match="min_p and logit_bias"):
+        sp._validate_spec_decode(other)
