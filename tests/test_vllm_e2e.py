@@ -119,10 +119,9 @@ def _target_features(target_dir, layer_ids, token_ids):
     return torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1), model
 
 
-def test_vllm_drafter_matches_reference_drafter(pair, spec_llm, dump_dir):
-    """The vLLM model class (inside the engine, with its KV cache and batch layout)
-    computes what the reference drafter computes: final states of every proposal row
-    to fp32 tolerance, and the same candidates and greedy drafts."""
+def _check_against_reference(pair, llm, dump_dir, prompts, max_tokens) -> int:
+    """Runs greedy `prompts` on `llm` (dumping every drafting step) and checks each step
+    against the reference drafter; returns the number of (step, request) checked."""
     from vllm import SamplingParams
 
     from vllm_dspine.checkpoint import load_draft_checkpoint
@@ -131,17 +130,16 @@ def test_vllm_drafter_matches_reference_drafter(pair, spec_llm, dump_dir):
     from vllm_dspine.reference_drafter import ReferenceDrafter
 
     _clear(dump_dir)
-    prompts = ["abcdefgh", "hello there", "xyz"]
-    outs = spec_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40,
-                                                     ignore_eos=True))
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                ignore_eos=True))
     seqs = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
             for o in outs}
     cfg, tensors = load_draft_checkpoint(pair.draft_dir)
+    K = cfg.num_proposals
     checked = 0
     cache = {}
     for path in sorted(glob.glob(os.path.join(dump_dir, "*.pt"))):
         step = torch.load(path)
-        K = cfg.num_proposals
         for r, req_id in enumerate(step["req_ids"]):
             seq = seqs[req_id.split("-")[0]]
             p = int(step["anchor_positions"][r])
@@ -154,7 +152,8 @@ def test_vllm_drafter_matches_reference_drafter(pair, spec_llm, dump_dir):
             ctx = ref.context_kv(feats[:p], torch.arange(p))
             out = ref.forward_block(seq[p], p, ctx)
             vllm_final = step["final_hidden"][r * K:(r + 1) * K]
-            torch.testing.assert_close(vllm_final, out.final_hidden[1:], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(vllm_final, out.final_hidden[1:], rtol=1e-4,
+                                       atol=1e-4)
             cand = retrieve_candidates(out.final_hidden[1:], ref.lm_head, cfg.head_topk,
                                        cfg.coarse_topk, None, mode="bf16")
             assert torch.equal(cand, step["cand_ids"][r])
@@ -164,4 +163,27 @@ def test_vllm_drafter_matches_reference_drafter(pair, spec_llm, dump_dir):
                 cfg.rms_norm_eps, ref.lm_head, torch.zeros(1))
             assert torch.equal(proposal.draft_token_ids[0], step["draft_token_ids"][r])
             checked += 1
+    return checked
+
+
+def test_vllm_drafter_matches_reference_drafter(pair, spec_llm, dump_dir):
+    """The vLLM model class (inside the engine, with its KV cache and batch layout)
+    computes what the reference drafter computes: final states of every proposal row
+    to fp32 tolerance, and the same candidates and greedy drafts."""
+    checked = _check_against_reference(pair, spec_llm, dump_dir,
+                                       ["abcdefgh", "hello there", "xyz"], 40)
     assert checked >= 6, f"only {checked} drafting steps were checked"
+
+
+def test_sliding_window_drafter_matches_reference(tmp_path_factory, dump_dir):
+    """A drafter with a 32-position window, on contexts longer than the window: vLLM's
+    sliding-window KV for the draft layers agrees with the reference's window mask."""
+    from vllm_dspine.tiny_pair import write_tiny_pair
+
+    pair = write_tiny_pair(str(tmp_path_factory.mktemp("pair_sw")), seed=1,
+                           draft_sliding_window=32)
+    llm = make_llm(pair.target_dir, dspine_spec(pair.draft_dir), max_num_seqs=4)
+    long_prompt = "the quick brown fox jumps over the lazy dog " * 2
+    checked = _check_against_reference(pair, llm, dump_dir, [long_prompt, "abc"], 48)
+    assert checked >= 4
+    del llm
