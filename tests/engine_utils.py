@@ -25,8 +25,11 @@ def make_llm(target_dir: str, spec: dict | None = None, **kwargs):
     engine_env()
     from vllm import LLM
 
+    # A 1024-token step budget: 40+ prompts of up to ~400 tokens cannot all prefill in
+    # one step, so prefills are chunked and arrive while other requests decode.
     args = dict(dtype="float32", max_model_len=512, enforce_eager=True, max_num_seqs=48,
-                seed=0, gpu_memory_utilization=0.15, disable_log_stats=False)
+                max_num_batched_tokens=1024, seed=0, gpu_memory_utilization=0.15,
+                disable_log_stats=False)
     args.update(kwargs)
     return LLM(str(target_dir), speculative_config=spec, **args)
 
@@ -40,7 +43,10 @@ def spec_metrics(llm) -> dict:
     return out
 
 
-def prompts_of_lengths(n: int) -> list[str]:
+def prompts_of_lengths(n: int, longest: int = 400) -> list[str]:
+    """n prompts of 3..longest characters (one token per character), many sharing
+    prefixes (so the prefix cache is hit)."""
     base = ("the quick brown fox jumps over the lazy dog while five wizards box "
-            "jackdaws quickly and the sphinx of black quartz judges my vow ")
-    return [base[(7 * i) % 40: (7 * i) % 40 + 3 + (11 * i) % 90] for i in range(n)]
+            "jackdaws quickly and the sphinx of black quartz judges my vow ") * 8
+    return [base[(7 * i) % 40: (7 * i) % 40 + 3 + (97 * i) % (longest - 3)]
+            for i in range(n)]

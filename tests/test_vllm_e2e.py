@@ -49,23 +49,29 @@ def _clear(dump_dir):
         os.remove(f)
 
 
-def test_greedy_identical_to_plain_decoding_40_concurrent(plain_llm, spec_llm, dump_dir):
-    """40 prompts of different lengths at once (max_num_seqs 48, chunked prefill and
-    prefix caching on, vLLM's defaults): token-identical greedy output in fp32."""
+def test_greedy_identical_to_plain_decoding(plain_llm, spec_llm, dump_dir):
+    """56 prompts of 3..400 tokens with 16..64 new tokens each, on engines of 48 slots
+    and a 1024-token step budget: prefills are chunked, requests finish at different
+    steps and new prefills arrive while others decode, >= 32 requests are drafted in
+    one step, and a second pass hits the prefix cache. Greedy output in fp32 is
+    token-identical to the same engine without speculation."""
     from vllm import SamplingParams
 
-    prompts = prompts_of_lengths(40)
-    assert len({len(p) for p in prompts}) > 20
-    sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, sp)]
+    prompts = prompts_of_lengths(56)
+    assert len({len(p) for p in prompts}) > 40 and max(map(len, prompts)) > 300
+    params = [SamplingParams(temperature=0.0, max_tokens=16 + (13 * i) % 49,
+                             ignore_eos=True) for i in range(len(prompts))]
+    plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params)]
     _clear(dump_dir)
-    spec = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, sp)]
+    spec = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params)]
     for i, (a, b) in enumerate(zip(plain, spec)):
-        assert list(a) == list(b), f"prompt {i} {prompts[i]!r} differs"
+        assert list(a) == list(b), f"prompt {i} ({len(prompts[i])} tokens) differs"
     steps = sorted(glob.glob(os.path.join(dump_dir, "*.pt")))
     assert steps, "the DSpine proposer never ran"
     assert max(len(torch.load(s)["req_ids"]) for s in steps) >= 32, \
         "fewer than 32 requests were ever drafted in one step"
+    again = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params)]
+    assert [list(a) for a in again] == [list(b) for b in plain]
 
 
 def test_spec_decode_metrics_counted(spec_llm):

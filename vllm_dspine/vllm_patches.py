@@ -23,6 +23,13 @@ Patches:
    and `logit_bias` under speculative decoding because its verifier does not apply
    them to draft positions. DSpine's verifier does (vllm_dspine/verify/sampler.py), so
    the refusal is lifted for DSpine drafts only; every other method keeps it.
+5. `vllm.v1.worker.gpu_model_runner.GPUModelRunner._sample` (CPU only): when a seeded
+   request's prompt is chunked, vLLM discards the token sampled for the partial
+   prefill and rewinds the request's generator with `set_offset`, which CPU
+   generators do not support ("CPU Generator does not use offset"): the engine dies.
+   On CPU the wrapper snapshots those generators' states before sampling and restores
+   them after, which is the rewind vLLM means (the discarded draw consumes nothing),
+   and swaps in a `torch.Generator` subclass whose offset calls are no-ops.
 """
 
 from __future__ import annotations
@@ -240,10 +247,72 @@ def _patch_sampling_params_spec_validation() -> None:
     SamplingParams._validate_spec_decode = _validate_spec_decode
 
 
+# ------------------------------------- 5. seeded chunked prefill on CPU generators
+class RewoundCPUGenerator(torch.Generator):
+    """A CPU generator whose offset calls are no-ops: its rewind is done by state
+    snapshots around sampling (see `_patch_cpu_generator_rewind`)."""
+
+    def get_offset(self) -> int:
+        return 0
+
+    def set_offset(self, offset: int) -> "RewoundCPUGenerator":
+        return self
+
+
+def _as_rewound(gen: torch.Generator) -> RewoundCPUGenerator:
+    if isinstance(gen, RewoundCPUGenerator):
+        return gen
+    new = RewoundCPUGenerator(device="cpu")
+    new.set_state(gen.get_state())
+    return new
+
+
+def _patch_cpu_generator_rewind() -> None:
+    import numpy as np
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = _require(GPUModelRunner, "_sample", "GPUModelRunner._sample")
+    if getattr(original, "_dspine_patched", False):
+        return
+    params = list(inspect.signature(original).parameters)
+    if params != ["self", "logits", "spec_decode_metadata"]:
+        raise RuntimeError(
+            f"vllm-dspine: GPUModelRunner._sample has parameters {params}, not those of "
+            f"vLLM {PINNED_VLLM_VERSION}")
+
+    @functools.wraps(original)
+    def _sample(self, logits, spec_decode_metadata):
+        if self.device.type != "cpu":
+            return original(self, logits, spec_decode_metadata)
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        saved = {}
+        for i in np.nonzero(self.discard_request_mask.np[:num_reqs])[0]:
+            i = int(i)
+            gen = batch.generators.get(i)
+            if gen is None:
+                continue
+            if not isinstance(gen, RewoundCPUGenerator):
+                gen = _as_rewound(gen)
+                batch.generators[i] = gen  # the dict sampling_metadata reads
+                state = self.requests.get(batch.req_ids[i])
+                if state is not None:
+                    state.generator = gen  # survives preemption and re-adding
+            saved[i] = gen.get_state()
+        out = original(self, logits, spec_decode_metadata)
+        for i, state in saved.items():
+            batch.generators[i].set_state(state)
+        return out
+
+    _sample._dspine_patched = True
+    GPUModelRunner._sample = _sample
+
+
 def apply_patches() -> None:
     """Apply every patch once per process (idempotent)."""
     check_vllm_version()
     for patch in (_patch_create_speculative_config, _patch_dflash_proposer_factory,
-                  _patch_cpu_expand_kernel, _patch_sampling_params_spec_validation):
+                  _patch_cpu_expand_kernel, _patch_sampling_params_spec_validation,
+                  _patch_cpu_generator_rewind):
         patch()
         _APPLIED.add(patch.__name__)

@@ -127,7 +127,13 @@ class DSpineProposer(DFlashProposer):
             top_p = (None if sampling_metadata.top_p is None
                      else sampling_metadata.top_p[:num_reqs].float().cpu())
             min_p = min_p_of_batch(sampling_metadata, num_reqs)
-            generators = [sampling_metadata.generators.get(i) for i in range(num_reqs)]
+            # A request still in a chunked prefill gets drafts vLLM will discard: draw
+            # them from the global RNG so its own seeded stream does not depend on
+            # how its prompt was chunked.
+            discarded = (self._runner.discard_request_mask.np[:num_reqs]
+                         if self._runner is not None else [False] * num_reqs)
+            generators = [None if discarded[i] else sampling_metadata.generators.get(i)
+                          for i in range(num_reqs)]
 
         device = hidden_states.device
         proposal = refine_last_write(
