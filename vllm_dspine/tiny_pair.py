@@ -243,7 +243,7 @@ def write_tiny_pair(out_dir: str, seed: int = 0, *, habit: float = 0.5,
     if trained:
         from vllm_dspine import train_tiny  # transformers + training: only when asked
 
-        train_tiny.train_tiny_drafter(target_dir, draft_dir, seed=seed)
+        train_tiny.train_tiny_drafter(target_dir, draft_dir, seed=seed, evaluate=False)
     return TinyPair(target_dir=target_dir, draft_dir=draft_dir)
 
 
