@@ -42,7 +42,10 @@ def plain_llm(pair):
 
 
 @pytest.fixture(scope="module")
-def spec_llm(pair, dump_dir):
+def spec_llm(pair, dump_dir, plain_llm):
+    # Built after plain_llm on purpose: an LLM's Prometheus logger unregisters the
+    # metrics of engines built before it in the same process, and the tests read the
+    # DSpine engine's spec-decode counters.
     return make_llm(pair.target_dir, dspine_spec(pair.draft_dir))
 
 

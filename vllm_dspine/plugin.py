@@ -24,3 +24,8 @@ def register() -> None:
         if arch not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(arch, model)
     _registered = True
+
+
+def is_registered() -> bool:
+    """Whether `register()` has run in this process."""
+    return _registered
