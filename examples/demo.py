@@ -17,10 +17,9 @@ import time
 
 
 def _env() -> None:
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vllm_dspine.cpu_env import set_cpu_defaults
+
+    set_cpu_defaults()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 

@@ -87,16 +87,15 @@ def _get(url: str, timeout: float = 30) -> dict:
 def main() -> int:
     args = _parse_args()
     cpu = _on_cpu()
-    if cpu:  # what scripts/env.sh sets; build_app forwards these to the replicas
-        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # What scripts/env.sh sets; build_app forwards these to the replicas.
+    from vllm_dspine.cpu_env import set_cpu_defaults
+
+    set_cpu_defaults()
 
     target, draft = args.target, args.draft
     if args.tiny_pair:
         from vllm_dspine.tiny_pair import write_tiny_pair
 
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
         pair = write_tiny_pair(args.tiny_pair, seed=0)
         target, draft = pair.target_dir, pair.draft_dir
 

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import os
 
 DSPINE_K = 15
 
 
 def engine_env() -> None:
     # What scripts/env.sh sets for the README's commands; tests may run without it.
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from vllm_dspine.cpu_env import set_cpu_defaults
+
+    set_cpu_defaults()
 
 
 def dspine_spec(draft_dir: str, **extra) -> dict:
@@ -25,10 +22,11 @@ def make_llm(target_dir: str, spec: dict | None = None, **kwargs):
     engine_env()
     from vllm import LLM
 
-    # A 1024-token step budget: 40+ prompts of up to ~400 tokens cannot all prefill in
-    # one step, so prefills are chunked and arrive while other requests decode.
+    # A 2048-token step budget: 50+ prompts of up to ~400 tokens cannot all prefill in
+    # one step, so prefills are chunked and arrive while other requests decode, and
+    # 48 decoding requests x 16 verified positions still fit in one step.
     args = dict(dtype="float32", max_model_len=512, enforce_eager=True, max_num_seqs=48,
-                max_num_batched_tokens=1024, seed=0, gpu_memory_utilization=0.15,
+                max_num_batched_tokens=2048, seed=0, gpu_memory_utilization=0.15,
                 disable_log_stats=False)
     args.update(kwargs)
     return LLM(str(target_dir), speculative_config=spec, **args)
@@ -50,3 +48,14 @@ def prompts_of_lengths(n: int, longest: int = 400) -> list[str]:
             "jackdaws quickly and the sphinx of black quartz judges my vow ") * 8
     return [base[(7 * i) % 40: (7 * i) % 40 + 3 + (97 * i) % (longest - 3)]
             for i in range(n)]
+
+
+HOST = "127.0.0.1"  # servers in tests listen on loopback only
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]

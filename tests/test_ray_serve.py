@@ -5,26 +5,18 @@ always shut down. Skipped where `ray[serve]` is not installed."""
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import pytest
 
 pytest.importorskip("ray.serve")
 
-from engine_utils import engine_env  # noqa: E402
+from engine_utils import HOST, engine_env, free_port  # noqa: E402
 
 pytestmark = [pytest.mark.engine]
 
-HOST = "127.0.0.1"
 ENGINE_KWARGS = dict(dtype="float32", max_model_len=512, enforce_eager=True,
                      gpu_memory_utilization=0.15, seed=0, served_model_name="tiny")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +29,7 @@ def server(tmp_path_factory):
     from vllm_dspine.tiny_pair import write_tiny_pair
 
     pair = write_tiny_pair(str(tmp_path_factory.mktemp("pair")), seed=0)
-    port = _free_port()
+    port = free_port()
     # address="local": always a fresh single-node cluster, never one found on the machine.
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:

@@ -8,24 +8,16 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from engine_utils import dspine_spec, engine_env
+from engine_utils import HOST, dspine_spec, engine_env, free_port
 
 pytestmark = pytest.mark.engine
 
-HOST = "127.0.0.1"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +28,7 @@ def server(tmp_path_factory):
     from vllm_dspine.tiny_pair import write_tiny_pair
 
     pair = write_tiny_pair(str(tmp_path_factory.mktemp("pair")), seed=0)
-    port = _free_port()
+    port = free_port()
     vllm_bin = shutil.which("vllm", path=os.path.dirname(sys.executable)) or "vllm"
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     log = open(log_path, "w")

@@ -56,7 +56,7 @@ def _clear(dump_dir):
 
 def test_greedy_identical_to_plain_decoding(plain_llm, spec_llm, dump_dir):
     """56 prompts of 3..400 tokens with 16..64 new tokens each, on engines of 48 slots
-    and a 1024-token step budget: prefills are chunked, requests finish at different
+    and a 2048-token step budget: prefills are chunked, requests finish at different
     steps and new prefills arrive while others decode, >= 32 requests are drafted in
     one step, and a second pass hits the prefix cache. Greedy output in fp32 is
     token-identical to the same engine without speculation."""

@@ -91,3 +91,39 @@ def test_min_p_and_logit_bias_allowed_only_for_dspine(patched):
     sp._validate_spec_decode(dspine)  # DSpine verifies min_p/logit_bias exactly
     with pytest.raises(Exception, match="min_p and logit_bias"):
         sp._validate_spec_decode(other)
+
+
+def _grouped_reference(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w[:, None, None, :]
+
+
+def test_vllm_cpu_rms_norm_ignores_grouped_weights():
+    """The bug: with a stacked [layers, head_dim] weight (vLLM's DFlash context keys)
+    the CPU kernel applies row 0 to every layer."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    CpuPlatform.import_kernels()
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 5, 2, 32), torch.rand(3, 32) + 0.5
+    out = torch.empty_like(x)
+    torch.ops._C.rms_norm(out, x, w, 1e-6)
+    ref = _grouped_reference(x, w, 1e-6)
+    assert torch.allclose(out[0], ref[0], atol=1e-5)
+    assert not torch.allclose(out[1], ref[1], atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_rms_norm_correct_after_patch(patched, dtype):
+    from vllm import _custom_ops as ops
+
+    torch.manual_seed(1)
+    x, w = torch.randn(3, 7, 2, 32), torch.rand(3, 32) + 0.5
+    out = torch.empty_like(x, dtype=dtype)
+    ops.rms_norm(out, x.to(dtype), w.to(dtype), 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), _grouped_reference(x, w, 1e-6), atol=tol,
+                               rtol=tol)
+    # A plain [D] weight still goes to vLLM's kernel.
+    out1 = torch.empty_like(x[0])
+    ops.rms_norm(out1, x[0].contiguous(), w[0].contiguous(), 1e-6)
+    torch.testing.assert_close(out1, _grouped_reference(x[:1], w[:1], 1e-6)[0])

@@ -30,6 +30,12 @@ Patches:
    On CPU the wrapper snapshots those generators' states before sampling and restores
    them after, which is the rewind vLLM means (the discarded draw consumes nothing),
    and swaps in a `torch.Generator` subclass whose offset calls are no-ops.
+6. `vllm._custom_ops.rms_norm` (CPU only, grouped weight): vLLM's DFlash context path
+   normalises the context keys of all draft layers in one call with a stacked
+   `[num_layers, head_dim]` k_norm weight. The CPU kernel ignores all but the first row,
+   so every draft layer's context keys got layer 0's k_norm: the drafter computed the
+   wrong function (verification kept outputs exact, acceptance suffered). A 2-D weight
+   on CPU is applied per outermost group here; everything else goes to vLLM's op.
 """
 
 from __future__ import annotations
@@ -75,6 +81,14 @@ def _require(owner, attr: str, what: str):
     return getattr(owner, attr)
 
 
+def _require_params(fn, expected: list[str], what: str) -> None:
+    params = list(inspect.signature(fn).parameters)
+    if params != expected:
+        raise RuntimeError(
+            f"vllm-dspine: {what} has parameters {params}, not {expected} as in vLLM "
+            f"{PINNED_VLLM_VERSION}")
+
+
 # ----------------------------------------------------------------- 1. the method
 def split_dspine_options(spec: dict) -> tuple[dict, dict]:
     """Validate a `method: dspine` dict; return (dict for vLLM, DSpine options)."""
@@ -112,11 +126,8 @@ def _patch_create_speculative_config() -> None:
                         "EngineArgs.create_speculative_config")
     if getattr(original, "_dspine_patched", False):
         return
-    params = list(inspect.signature(original).parameters)
-    if params != ["self", "target_model_config", "target_parallel_config"]:
-        raise RuntimeError(
-            f"vllm-dspine: EngineArgs.create_speculative_config has parameters {params}, "
-            f"not those of vLLM {PINNED_VLLM_VERSION}")
+    _require_params(original, ["self", "target_model_config", "target_parallel_config"],
+                    "EngineArgs.create_speculative_config")
 
     @functools.wraps(original)
     def create_speculative_config(self, target_model_config, target_parallel_config):
@@ -200,11 +211,8 @@ def _patch_cpu_expand_kernel() -> None:
                         "vllm.utils.cpu_triton_utils._expand_kernel_impl")
     if original is _expand_kernel_impl:
         return
-    params = list(inspect.signature(original).parameters)
-    if params != list(inspect.signature(_expand_kernel_impl).parameters):
-        raise RuntimeError(
-            f"vllm-dspine: vllm.utils.cpu_triton_utils._expand_kernel_impl has parameters "
-            f"{params}, not those of vLLM {PINNED_VLLM_VERSION}")
+    _require_params(original, list(inspect.signature(_expand_kernel_impl).parameters),
+                    "vllm.utils.cpu_triton_utils._expand_kernel_impl")
     cpu_triton_utils._expand_kernel_impl = _expand_kernel_impl
     # If the CPU platform already registered its overrides (it does so right after the
     # plugins load in a worker, but a process may have done it earlier), point the
@@ -229,11 +237,8 @@ def _patch_sampling_params_spec_validation() -> None:
                         "SamplingParams._validate_spec_decode")
     if getattr(original, "_dspine_patched", False):
         return
-    params = list(inspect.signature(original).parameters)
-    if params != ["self", "speculative_config"]:
-        raise RuntimeError(
-            f"vllm-dspine: SamplingParams._validate_spec_decode has parameters {params}, "
-            f"not those of vLLM {PINNED_VLLM_VERSION}")
+    _require_params(original, ["self", "speculative_config"],
+                    "SamplingParams._validate_spec_decode")
 
     @functools.wraps(original)
     def _validate_spec_decode(self, speculative_config):
@@ -274,11 +279,8 @@ def _patch_cpu_generator_rewind() -> None:
     original = _require(GPUModelRunner, "_sample", "GPUModelRunner._sample")
     if getattr(original, "_dspine_patched", False):
         return
-    params = list(inspect.signature(original).parameters)
-    if params != ["self", "logits", "spec_decode_metadata"]:
-        raise RuntimeError(
-            f"vllm-dspine: GPUModelRunner._sample has parameters {params}, not those of "
-            f"vLLM {PINNED_VLLM_VERSION}")
+    _require_params(original, ["self", "logits", "spec_decode_metadata"],
+                    "GPUModelRunner._sample")
 
     @functools.wraps(original)
     def _sample(self, logits, spec_decode_metadata):
@@ -308,11 +310,43 @@ def _patch_cpu_generator_rewind() -> None:
     GPUModelRunner._sample = _sample
 
 
+# ------------------------------------------------ 6. grouped rms_norm on CPU
+def _grouped_rms_norm_cpu(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor,
+                          epsilon: float) -> None:
+    """out[g, ...] = rms_norm(input[g, ...]) * weight[g]  for weight [G, D]."""
+    x = input.float()
+    normed = (x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + epsilon)).to(input.dtype)
+    w = weight.view(weight.shape[0], *([1] * (input.ndim - 2)), weight.shape[1])
+    out.copy_(normed * w.to(input.dtype))
+
+
+def _patch_cpu_grouped_rms_norm() -> None:
+    from vllm import _custom_ops
+
+    original = _require(_custom_ops, "rms_norm", "vllm._custom_ops.rms_norm")
+    if getattr(original, "_dspine_patched", False):
+        return
+    _require_params(original, ["out", "input", "weight", "epsilon"],
+                    "vllm._custom_ops.rms_norm")
+
+    @functools.wraps(original)
+    def rms_norm(out, input, weight, epsilon):
+        if weight is not None and weight.ndim == 2 and input.device.type == "cpu":
+            if weight.shape[0] != input.shape[0] or weight.shape[1] != input.shape[-1]:
+                raise ValueError(f"grouped rms_norm: weight {tuple(weight.shape)} does not "
+                                 f"fit input {tuple(input.shape)}")
+            return _grouped_rms_norm_cpu(out, input, weight, epsilon)
+        return original(out, input, weight, epsilon)
+
+    rms_norm._dspine_patched = True
+    _custom_ops.rms_norm = rms_norm
+
+
 def apply_patches() -> None:
     """Apply every patch once per process (idempotent)."""
     check_vllm_version()
     for patch in (_patch_create_speculative_config, _patch_dflash_proposer_factory,
                   _patch_cpu_expand_kernel, _patch_sampling_params_spec_validation,
-                  _patch_cpu_generator_rewind):
+                  _patch_cpu_generator_rewind, _patch_cpu_grouped_rms_norm):
         patch()
         _APPLIED.add(patch.__name__)

@@ -209,5 +209,8 @@ def retrieve_candidates(
     # logits use). Its bf16-rounded scores tie often near the 16th place, so the best
     # `coarse_topk` of them are rescored exactly, as on the FP8 path, and 16 kept.
     scores = final_hidden.to(head_weight.dtype) @ head_weight.t()  # [N, V]
+    if head_weight.dtype == torch.float32 and final_hidden.dtype == torch.float32:
+        # An fp32 head's product already is the exact score: no rescoring needed.
+        return scores.topk(head_topk, dim=1, sorted=True).indices
     top_ids = scores.topk(coarse_topk, dim=1, sorted=False).indices  # [N, n]
     return _sort_by_exact_score(final_hidden, head_weight, top_ids, head_topk)
