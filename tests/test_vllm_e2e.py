@@ -212,6 +212,10 @@ def _check_against_reference(pair, llm, dump_dir, prompts, max_tokens) -> int:
         for r, req_id in enumerate(step["req_ids"]):
             seq = seqs[req_id.split("-")[0]]
             p = int(step["anchor_positions"][r])
+            if p >= len(seq):
+                # Drafted in the step that finished the request: its accepted tokens
+                # ran past max_tokens and were cut, so the anchor is not in the output.
+                continue
             assert seq[p] == int(step["anchor_ids"][r])
             if req_id not in cache:
                 cache[req_id] = _target_features(pair.target_dir, cfg.target_layer_ids, seq)
