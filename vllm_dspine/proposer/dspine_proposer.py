@@ -116,17 +116,19 @@ class DSpineProposer(DFlashProposer):
             hidden_states, self._head_weight, k, cfg.coarse_topk, self._fp8_head,
             mode="auto" if self._fp8_head is not None else "bf16").view(num_reqs, K, k)
 
+        device = hidden_states.device
         if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
-            temperature = torch.zeros(num_reqs, dtype=torch.float32)
+            temperature = torch.zeros(num_reqs, dtype=torch.float32, device=device)
             top_k = top_p = min_p = None
             generators = None
         else:
-            temperature = sampling_metadata.temperature[:num_reqs].float().cpu()
+            temperature = sampling_metadata.temperature[:num_reqs].float()
             top_k = (None if sampling_metadata.top_k is None
-                     else sampling_metadata.top_k[:num_reqs].cpu())
+                     else sampling_metadata.top_k[:num_reqs])
             top_p = (None if sampling_metadata.top_p is None
-                     else sampling_metadata.top_p[:num_reqs].float().cpu())
+                     else sampling_metadata.top_p[:num_reqs].float())
             min_p = min_p_of_batch(sampling_metadata, num_reqs)
+            min_p = None if min_p is None else min_p.to(device)
             # A request still in a chunked prefill gets drafts vLLM will discard: draw
             # them from the global RNG so its own seeded stream does not depend on
             # how its prompt was chunked.
@@ -135,16 +137,11 @@ class DSpineProposer(DFlashProposer):
             generators = [None if discarded[i] else sampling_metadata.generators.get(i)
                           for i in range(num_reqs)]
 
-        device = hidden_states.device
         proposal = refine_last_write(
             x_last, codes, rms, cand_ids, self._anchor_ids[:num_reqs].long(),
             self.model.model.bridge.weights(), self.model.model.norm.weight,
             self.model.model.norm.variance_epsilon, self._head_weight,
-            temperature.to(device),
-            None if top_k is None else top_k.to(device),
-            None if top_p is None else top_p.to(device),
-            None if min_p is None else min_p.to(device),
-            generators, self._tail_tables)
+            temperature, top_k, top_p, min_p, generators, self._tail_tables)
         self._last_sparse_q = pack_sparse_q(proposal.cand_ids, proposal.cand_probs)
         if self._debug_dump_dir:
             self._debug_dump(num_reqs, hidden_states, cand_ids, proposal)
