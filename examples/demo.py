@@ -24,25 +24,17 @@ def _env() -> None:
 
 
 def write_pair(out: str):
-    from vllm_dspine.tiny_pair import write_tiny_pair
+    """The small pair with its distilled drafter, written once (~1 minute) and reused."""
+    from vllm_dspine.tiny_pair import EOS_TOKEN_ID, MASK_TOKEN_ID, TinyPair, write_tiny_pair
 
     marker = os.path.join(out, ".complete")
-    try:
-        from vllm_dspine import train_tiny  # noqa: F401
-        trained = True
-    except ImportError:
-        trained = False
     if os.path.exists(marker):
-        from vllm_dspine.tiny_pair import TinyPair, MASK_TOKEN_ID, EOS_TOKEN_ID
-
         return TinyPair(os.path.join(out, "target"), os.path.join(out, "draft"),
-                        MASK_TOKEN_ID, EOS_TOKEN_ID), open(marker).read().strip()
-    kind = "distilled" if trained else "random"
-    print(f"writing the small pair ({kind} drafter) to {out} ...", flush=True)
-    pair = write_tiny_pair(out, seed=0, trained=True) if trained else write_tiny_pair(out, seed=0)
-    with open(marker, "w") as f:
-        f.write(kind)
-    return pair, kind
+                        MASK_TOKEN_ID, EOS_TOKEN_ID)
+    print(f"writing the small pair and distilling its drafter to {out} ...", flush=True)
+    pair = write_tiny_pair(out, seed=0, trained=True)
+    open(marker, "w").close()
+    return pair
 
 
 def run(llm, prompts, params):
@@ -71,7 +63,7 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
-    pair, kind = write_pair(args.out)
+    pair = write_pair(args.out)
     seeds = ["abcdef", "the quick brown", "hello world. ", "klmno", "0123",
              "vllm serves ", "spec decode ", "xyz "]
     prompts = [seeds[i % len(seeds)] * (1 + i // len(seeds)) for i in range(args.prompts)]
@@ -96,7 +88,7 @@ def main() -> None:
     _, spec_tps_s = run(llm, prompts, sampled)
     counters = spec_counters(llm)
 
-    print(f"\n=== generations (greedy, DSpine; {kind} drafter) ===")
+    print("\n=== generations (greedy, DSpine; distilled drafter) ===")
     same = 0
     for p, o, q in zip(prompts, spec_outs, plain_outs):
         same += list(o.outputs[0].token_ids) == list(q.outputs[0].token_ids)

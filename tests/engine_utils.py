@@ -59,3 +59,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
+
+
+def sse_payloads(response):
+    """The JSON payloads of an OpenAI-style server-sent-event stream, in order; raises
+    AssertionError if the stream ends without its `data: [DONE]` line."""
+    import json
+
+    for line in response.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            return
+        yield json.loads(line[6:])
+    raise AssertionError("stream ended without 'data: [DONE]'")

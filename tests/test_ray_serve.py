@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from engine_utils import HOST, engine_env, free_port  # noqa: E402
+from engine_utils import HOST, engine_env, free_port, sse_payloads  # noqa: E402
 
 pytestmark = [pytest.mark.engine]
 
@@ -132,18 +132,11 @@ def test_stream_equals_non_stream(server):
 
     body = dict(prompt="hello", max_tokens=20, temperature=0, ignore_eos=True)
     whole = _complete(server, **body).json()["choices"][0]["text"]
-    pieces, done = [], False
     with httpx.stream("POST", server + "/v1/completions", timeout=120,
                       json={**body, "stream": True}) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                done = True
-                break
-            pieces.append(json.loads(line[6:])["choices"][0]["text"])
-    assert done and len(pieces) > 1
+        pieces = [p["choices"][0]["text"] for p in sse_payloads(r)]
+    assert len(pieces) > 1
     assert "".join(pieces) == whole
 
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from engine_utils import HOST, dspine_spec, engine_env, free_port
+from engine_utils import HOST, dspine_spec, engine_env, free_port, sse_payloads
 
 pytestmark = pytest.mark.engine
 
@@ -89,21 +89,16 @@ def test_completion(server):
 def test_streamed_chat_completion(server):
     import httpx
 
-    chunks, done = [], False
+    chunks = []
     with httpx.stream("POST", server + "/v1/chat/completions", timeout=120, json={
             "model": "tiny", "stream": True, "max_tokens": 32, "temperature": 0.7,
             "seed": 3, "messages": [{"role": "user", "content": "say abc"}]}) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                done = True
-                break
-            delta = json.loads(line[6:])["choices"][0]["delta"]
+        for payload in sse_payloads(r):
+            delta = payload["choices"][0]["delta"]
             if delta.get("content"):
                 chunks.append(delta["content"])
-    assert done and len(chunks) > 1
+    assert len(chunks) > 1
     assert "".join(chunks)
 
 
