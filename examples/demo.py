@@ -17,7 +17,7 @@ import time
 
 
 def _env() -> None:
-    from vllm_dspine.cpu_env import set_cpu_defaults
+    from vllm_dspine.plugin.cpu_env import set_cpu_defaults
 
     set_cpu_defaults()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -25,7 +25,7 @@ def _env() -> None:
 
 def write_pair(out: str):
     """The small pair with its distilled drafter, written once (~1 minute) and reused."""
-    from vllm_dspine.tiny_pair import EOS_TOKEN_ID, MASK_TOKEN_ID, TinyPair, write_tiny_pair
+    from vllm_dspine.pairs.tiny import EOS_TOKEN_ID, MASK_TOKEN_ID, TinyPair, write_tiny_pair
 
     marker = os.path.join(out, ".complete")
     if os.path.exists(marker):

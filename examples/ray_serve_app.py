@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 
 HOST = "127.0.0.1"
-REPLICA_HEADER = "x-dspine-replica"  # vllm_dspine.ray_serve.REPLICA_HEADER
+REPLICA_HEADER = "x-dspine-replica"  # vllm_dspine.serving.ray_serve.REPLICA_HEADER
 
 
 def _parse_args() -> argparse.Namespace:
@@ -88,13 +88,13 @@ def main() -> int:
     args = _parse_args()
     cpu = _on_cpu()
     # What scripts/env.sh sets; build_app forwards these to the replicas.
-    from vllm_dspine.cpu_env import set_cpu_defaults
+    from vllm_dspine.plugin.cpu_env import set_cpu_defaults
 
     set_cpu_defaults()
 
     target, draft = args.target, args.draft
     if args.tiny_pair:
-        from vllm_dspine.tiny_pair import write_tiny_pair
+        from vllm_dspine.pairs.tiny import write_tiny_pair
 
         pair = write_tiny_pair(args.tiny_pair, seed=0)
         target, draft = pair.target_dir, pair.draft_dir
@@ -115,7 +115,7 @@ def main() -> int:
     import ray
     from ray import serve
 
-    from vllm_dspine.ray_serve import build_app
+    from vllm_dspine.serving.ray_serve import build_app
 
     app = build_app(target, draft, num_replicas=args.replicas,
                     engine_kwargs=engine_kwargs, ray_actor_options=actor_options)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from vllm_dspine.checkpoint import (
+from vllm_dspine.model.checkpoint import (
     INDEX_NAME,
     bridge_weights,
     check_target_fits,

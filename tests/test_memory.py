@@ -2,9 +2,9 @@
 
 import pytest
 
-from vllm_dspine.checkpoint import expected_tensor_shapes
+from vllm_dspine.model.checkpoint import expected_tensor_shapes
 from vllm_dspine.config import RELEASED_QWEN38_27B, DSpineConfig
-from vllm_dspine.memory import GiB, MiB, format_report, main, memory_report
+from vllm_dspine.model.memory import GiB, MiB, format_report, main, memory_report
 
 
 @pytest.fixture

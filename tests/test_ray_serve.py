@@ -25,8 +25,8 @@ def server(tmp_path_factory):
     import ray
     from ray import serve
 
-    from vllm_dspine.ray_serve import build_app
-    from vllm_dspine.tiny_pair import write_tiny_pair
+    from vllm_dspine.serving.ray_serve import build_app
+    from vllm_dspine.pairs.tiny import write_tiny_pair
 
     pair = write_tiny_pair(str(tmp_path_factory.mktemp("pair")), seed=0)
     port = free_port()
@@ -162,7 +162,7 @@ def test_build_app_refuses_bad_arguments(tmp_path, kwargs, words):
     # Refused in the caller, before any replica starts (no Ray needed).
     engine_env()
     from vllm_dspine.config import RELEASED_QWEN38_27B
-    from vllm_dspine.ray_serve import build_app
+    from vllm_dspine.serving.ray_serve import build_app
 
     draft = tmp_path / "draft"
     draft.mkdir()

@@ -16,7 +16,7 @@ from engine_utils import engine_env
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     engine_env()
-    from vllm_dspine.tiny_pair import write_tiny_pair
+    from vllm_dspine.pairs.tiny import write_tiny_pair
 
     return write_tiny_pair(str(tmp_path_factory.mktemp("pair")), seed=0)
 

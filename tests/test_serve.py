@@ -25,7 +25,7 @@ def server(tmp_path_factory):
     engine_env()
     import httpx
 
-    from vllm_dspine.tiny_pair import write_tiny_pair
+    from vllm_dspine.pairs.tiny import write_tiny_pair
 
     pair = write_tiny_pair(str(tmp_path_factory.mktemp("pair")), seed=0)
     port = free_port()

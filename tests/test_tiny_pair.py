@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from vllm_dspine.checkpoint import check_target_fits, load_draft_checkpoint
-from vllm_dspine.tiny_pair import EOS_TOKEN_ID, MASK_TOKEN_ID, write_tiny_pair
+from vllm_dspine.model.checkpoint import check_target_fits, load_draft_checkpoint
+from vllm_dspine.pairs.tiny import EOS_TOKEN_ID, MASK_TOKEN_ID, write_tiny_pair
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +93,30 @@ def test_draft_loads_and_fits_target(pair):
     assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in tensors.values())
 
 
-def test_cli(tmp_path, capsys):
-    from vllm_dspine.tiny_pair import main
+def test_pairs_cli_tiny_writes_then_reuses(tmp_path, capsys):
+    from vllm_dspine.pairs.__main__ import main
 
-    main([str(tmp_path)])
-    out = capsys.readouterr().out
-    assert str(tmp_path / "target") in out and str(tmp_path / "draft") in out
-    assert (tmp_path / "draft" / "model.safetensors").is_file()
+    out = tmp_path / "pair"
+    assert main(["tiny", "--out", str(out), "--steps", "2", "--log-every", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert str(out / "target") in printed and str(out / "draft") in printed
+    draft = out / "draft" / "model.safetensors"
+    assert draft.is_file() and (out / "target" / "model.safetensors").is_file()
+    cfg, trained = load_draft_checkpoint(str(out / "draft"))
+    random = write_tiny_pair(str(tmp_path / "random"), seed=0)
+    _, untrained = load_draft_checkpoint(random.draft_dir)
+    assert not torch.equal(trained["fc.weight"], untrained["fc.weight"])  # distilled
+    stamp = draft.stat().st_mtime_ns
+    assert main(["tiny", "--out", str(out), "--steps", "2", "--log-every", "0"]) == 0
+    assert "reused" in capsys.readouterr().out
+    assert draft.stat().st_mtime_ns == stamp
+    # Other arguments are another pair: made anew, not reused.
+    assert main(["tiny", "--out", str(out), "--steps", "3", "--log-every", "0"]) == 0
+    assert "reused" not in capsys.readouterr().out
+
+
+def test_pairs_cli_hybrid_refused_with_message(tmp_path, capsys):
+    from vllm_dspine.pairs.__main__ import main
+
+    assert main(["hybrid", "--out", str(tmp_path)]) == 2
+    assert "hybrid" in capsys.readouterr().err

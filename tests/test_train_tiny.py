@@ -1,15 +1,17 @@
-"""Distilling the tiny drafter: the batched training forward is the reference drafter's
-function, a short run learns, saves a loadable checkpoint, and repeats bit for bit."""
+"""Distilling the tiny drafter: the batched forward (the statement of the model, also the
+training forward) agrees with an independent per-request computation, a short run
+learns, saves a loadable checkpoint, and repeats bit for bit."""
 
 import pytest
 import torch
+from naive_drafter import NaiveDrafter
 
-from vllm_dspine.checkpoint import load_draft_checkpoint, random_draft_tensors
-from vllm_dspine.reference_drafter import ReferenceDrafter
-from vllm_dspine.tiny_pair import draft_config, write_tiny_pair
-from vllm_dspine.train_tiny import (TrainSettings, block_forward, generate_text,
-                                    generate_with_features, target_features,
-                                    train_tiny_drafter)
+from vllm_dspine.model.checkpoint import load_draft_checkpoint, random_draft_tensors
+from vllm_dspine.model.drafter import block_forward
+from vllm_dspine.pairs.tiny import draft_config, write_tiny_pair
+from vllm_dspine.train.distill import TrainSettings, train_tiny_drafter
+from vllm_dspine.train.target_data import (generate_text, generate_with_features,
+                                           target_features)
 
 # A run small enough for the test budget (a few seconds on a busy 2-core CPU) that still
 # moves the loss well clear of noise: 20 steps at lr 5e-3 from a random drafter.
@@ -54,9 +56,9 @@ def trained(pair, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def target(pair):
-    from vllm_dspine.train_tiny import _load_target
+    from vllm_dspine.train.target_data import load_target
 
-    return _load_target(pair.target_dir)
+    return load_target(pair.target_dir)
 
 
 @pytest.mark.parametrize("sliding_window", [None, 6], ids=["full", "window6"])
@@ -76,7 +78,7 @@ def test_block_forward_matches_reference(pair, target, sliding_window):
     # Anchors at 1 (one context position), adjacent ones, and the last full block.
     anchors = torch.tensor([[1, 2, 16], [7, 8, 9], [3, 12, 16]])  # [S, nb]
     out = block_forward(cfg, w, embed, head, ids, feats, anchors)
-    ref = ReferenceDrafter(cfg, w, embed, head)
+    ref = NaiveDrafter(cfg, w, embed, head)
     for s in range(3):
         for b in range(3):
             p = int(anchors[s, b])
@@ -123,7 +125,7 @@ def test_short_run_learns(trained):
 
 
 def test_checkpoint_round_trip(pair, trained, tmp_path):
-    from vllm_dspine.checkpoint import save_draft_checkpoint
+    from vllm_dspine.model.checkpoint import save_draft_checkpoint
 
     out, _ = trained[0]
     cfg0, init = load_draft_checkpoint(pair.draft_dir)
@@ -152,7 +154,7 @@ def test_same_seed_same_tensors(trained):
 
 
 def test_write_tiny_pair_trained_calls_trainer(tmp_path, monkeypatch):
-    import vllm_dspine.train_tiny as train_tiny
+    import vllm_dspine.train.distill as train_tiny
 
     calls = []
     real = train_tiny.train_tiny_drafter
@@ -182,7 +184,7 @@ def test_bad_settings(pair, tmp_path):
 
 
 def test_decode_walk():
-    from vllm_dspine.train_tiny import _decode_walk
+    from vllm_dspine.train.acceptance import _decode_walk
 
     # accepted[s, j] with the anchor at first_anchor + j; decoding moves j by accepted + 1.
     # Row 0 visits j = 0 (2 accepted) and j = 3 (5); row 1 visits 0, 1, 2 (nothing

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.engine
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from vllm_dspine.tiny_pair import write_tiny_pair
+    from vllm_dspine.pairs.tiny import write_tiny_pair
 
     # The distilled drafter: drafts get accepted, so the sampled test compares
     # accepted drafts, not only corrections.
@@ -193,10 +193,11 @@ def _check_against_reference(pair, llm, dump_dir, prompts, max_tokens) -> int:
     against the reference drafter; returns the number of (step, request) checked."""
     from vllm import SamplingParams
 
-    from vllm_dspine.checkpoint import load_draft_checkpoint
+    from vllm_dspine.model.checkpoint import load_draft_checkpoint
     from vllm_dspine.kernels.retrieval import retrieve_candidates
     from vllm_dspine.kernels.tail import refine_last_write
-    from vllm_dspine.reference_drafter import ReferenceDrafter
+    from vllm_dspine.model.checkpoint import bridge_weights
+    from vllm_dspine.model.drafter import block_forward
 
     _clear(dump_dir)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens,
@@ -220,20 +221,21 @@ def _check_against_reference(pair, llm, dump_dir, prompts, max_tokens) -> int:
             if req_id not in cache:
                 cache[req_id] = _target_features(pair.target_dir, cfg.target_layer_ids, seq)
             feats, target = cache[req_id]
-            ref = ReferenceDrafter(cfg, tensors, target.model.embed_tokens.weight.detach(),
-                                   target.lm_head.weight.detach())
-            ctx = ref.context_kv(feats[:p], torch.arange(p))
-            out = ref.forward_block(seq[p], p, ctx)
+            embed = target.model.embed_tokens.weight.detach()
+            head = target.lm_head.weight.detach()
+            # The statement of the model (model/drafter.py) on this one block.
+            out = block_forward(cfg, tensors, embed, head, torch.tensor([seq]), feats[None],
+                                torch.tensor([[p]]))
+            final = out.final_hidden[0, 0]  # [B, H]
             vllm_final = step["final_hidden"][r * K:(r + 1) * K]
-            torch.testing.assert_close(vllm_final, out.final_hidden[1:], rtol=1e-4,
-                                       atol=1e-4)
-            cand = retrieve_candidates(out.final_hidden[1:], ref.lm_head, cfg.head_topk,
-                                       cfg.coarse_topk, None, mode="bf16")
+            torch.testing.assert_close(vllm_final, final[1:], rtol=1e-4, atol=1e-4)
+            cand = retrieve_candidates(final[1:], head, cfg.head_topk, cfg.coarse_topk, None,
+                                       mode="bf16")
             assert torch.equal(cand, step["cand_ids"][r])
             proposal = refine_last_write(
-                out.pre_write_state[None], out.last_codes[None], out.last_rms[None],
-                cand[None], torch.tensor([seq[p]]), ref.bridge, tensors["norm.weight"],
-                cfg.rms_norm_eps, ref.lm_head, torch.zeros(1))
+                out.pre_write_state[0], out.last_codes[0], out.last_rms[0],
+                cand[None], torch.tensor([seq[p]]), bridge_weights(cfg, tensors),
+                tensors["norm.weight"], cfg.rms_norm_eps, head, torch.zeros(1))
             assert torch.equal(proposal.draft_token_ids[0], step["draft_token_ids"][r])
             checked += 1
     return checked
@@ -251,7 +253,7 @@ def test_vllm_drafter_matches_reference_drafter(pair, spec_llm, dump_dir):
 def test_sliding_window_drafter_matches_reference(tmp_path_factory, dump_dir):
     """A drafter with a 32-position window, on contexts longer than the window: vLLM's
     sliding-window KV for the draft layers agrees with the reference's window mask."""
-    from vllm_dspine.tiny_pair import write_tiny_pair
+    from vllm_dspine.pairs.tiny import write_tiny_pair
 
     pair = write_tiny_pair(str(tmp_path_factory.mktemp("pair_sw")), seed=1,
                            draft_sliding_window=32)

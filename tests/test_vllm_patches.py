@@ -13,7 +13,7 @@ engine_env()
 
 @pytest.fixture(scope="module")
 def patched():
-    from vllm_dspine.vllm_patches import apply_patches
+    from vllm_dspine.plugin.patches import apply_patches
 
     apply_patches()
     apply_patches()  # idempotent
@@ -27,7 +27,7 @@ def test_vllm_cpu_expand_override_is_broken_for_floats():
 
     CpuPlatform.import_kernels()
     from vllm.utils import cpu_triton_utils
-    from vllm_dspine import vllm_patches
+    from vllm_dspine.plugin import patches as vllm_patches
 
     vanilla = cpu_triton_utils._expand_kernel_impl
     if vanilla is vllm_patches._expand_kernel_impl:
@@ -57,7 +57,7 @@ def test_expand_batch_to_tokens_correct_after_patch(patched):
 
 
 def test_dspine_method_translated_and_options_checked(patched):
-    from vllm_dspine.vllm_patches import split_dspine_options
+    from vllm_dspine.plugin.patches import split_dspine_options
 
     spec, opts = split_dspine_options({"method": "dspine", "model": "/d",
                                        "num_speculative_tokens": 15,
@@ -71,7 +71,7 @@ def test_dspine_method_translated_and_options_checked(patched):
 def test_other_vllm_version_refused(monkeypatch):
     import vllm
 
-    from vllm_dspine.vllm_patches import apply_patches
+    from vllm_dspine.plugin.patches import apply_patches
 
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
     with pytest.raises(RuntimeError, match=r"pinned to vLLM 0.32.0.*0.33.0 is installed"):

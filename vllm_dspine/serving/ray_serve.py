@@ -3,7 +3,7 @@ DSpine proposer (DESIGN section 3, last bullet). Optional: needs `pip install
 "vllm-dspine[ray]"` (`ray[serve]==2.60.0`).
 
     from ray import serve
-    from vllm_dspine.ray_serve import build_app
+    from vllm_dspine.serving.ray_serve import build_app
 
     serve.run(build_app(TARGET, DRAFT_DIR, num_replicas=2,
                         engine_kwargs={"dtype": "bfloat16"}))
@@ -33,7 +33,7 @@ try:
     from ray import serve
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "vllm_dspine.ray_serve needs Ray Serve: pip install 'vllm-dspine[ray]' "
+        "vllm_dspine.serving.ray_serve needs Ray Serve: pip install 'vllm-dspine[ray]' "
         f"(ray[serve]==2.60.0); import failed: {e}") from e
 
 # Environment the replica needs before it imports vLLM, forwarded from the process that

@@ -140,7 +140,7 @@ def _patch_create_speculative_config() -> None:
             config = original(self, target_model_config, target_parallel_config)
         finally:
             self.speculative_config = spec
-        from vllm_dspine.validation import validate_dspine_speculative_config
+        from vllm_dspine.plugin.validation import validate_dspine_speculative_config
 
         validate_dspine_speculative_config(config, options)
         return config
@@ -168,7 +168,7 @@ def _patch_dflash_proposer_factory() -> None:
         # Building one gives DSpineProposer for a DSpine draft, DFlashProposer else;
         # the runner's isinstance checks against this name accept either.
         def __call__(cls, vllm_config, device, runner=None):
-            from vllm_dspine.hf_config import is_dspine_draft
+            from vllm_dspine.plugin.hf_config import is_dspine_draft
             from vllm_dspine.proposer.dspine_proposer import DSpineProposer
 
             if is_dspine_draft(vllm_config.speculative_config):
@@ -242,7 +242,7 @@ def _patch_sampling_params_spec_validation() -> None:
 
     @functools.wraps(original)
     def _validate_spec_decode(self, speculative_config):
-        from vllm_dspine.hf_config import is_dspine_draft
+        from vllm_dspine.plugin.hf_config import is_dspine_draft
 
         if is_dspine_draft(speculative_config):
             return  # min_p and logit_bias are applied exactly by DSpine's verifier

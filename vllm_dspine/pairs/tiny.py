@@ -9,12 +9,11 @@ The target is random except for one planted habit: its output head favours a fix
 successor of the current byte ("a" -> "b", ..., "~" -> " "), so greedy text is readable
 and predictable enough to accept drafts, while the random layers keep it context-dependent.
 
-    python -m vllm_dspine.tiny_pair OUT_DIR [--seed N]
+    python -m vllm_dspine.pairs tiny --out DIR   (the pair with its distilled drafter)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save_file
 
-from vllm_dspine.checkpoint import random_draft_tensors, save_draft_checkpoint
+from vllm_dspine.model.checkpoint import random_draft_tensors, save_draft_checkpoint
 from vllm_dspine.config import ARCHITECTURE, MODEL_TYPE, DSpineConfig
 
 # Tokenizer layout: ids 0..255 are the bytes, then the special tokens, then reserved fill.
@@ -218,7 +217,7 @@ def write_tiny_pair(out_dir: str, seed: int = 0, *, habit: float = 0.5,
     """Write `out_dir/target` and `out_dir/draft`; the same seed gives the same bytes.
 
     habit: strength of the planted successor habit in the target's head (0: pure noise).
-    trained: distil the drafter from the target (`train_tiny.train_tiny_drafter`, about
+    trained: distil the drafter from the target (`train.distill.train_tiny_drafter`, about
     a minute and a half on 2 CPU cores) instead of leaving it random.
     """
     target_dir = os.path.join(out_dir, "target")
@@ -241,21 +240,7 @@ def write_tiny_pair(out_dir: str, seed: int = 0, *, habit: float = 0.5,
     # A different stream from the target's, so the drafter is not a copy of its weights.
     save_draft_checkpoint(draft_dir, cfg, random_draft_tensors(cfg, seed + 1_000_003))
     if trained:
-        from vllm_dspine import train_tiny  # transformers + training: only when asked
+        from vllm_dspine.train import distill  # transformers + training: only when asked
 
-        train_tiny.train_tiny_drafter(target_dir, draft_dir, seed=seed, evaluate=False)
+        distill.train_tiny_drafter(target_dir, draft_dir, seed=seed, evaluate=False)
     return TinyPair(target_dir=target_dir, draft_dir=draft_dir)
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out_dir")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    pair = write_tiny_pair(args.out_dir, seed=args.seed)
-    print(f"target: {pair.target_dir}")
-    print(f"draft:  {pair.draft_dir}")
-
-
-if __name__ == "__main__":
-    main()

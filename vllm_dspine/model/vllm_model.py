@@ -25,7 +25,7 @@ from vllm.model_executor.models.qwen3_dflash import (
     DFlashQwen3Model,
 )
 
-from vllm_dspine.hf_config import dspine_config_of
+from vllm_dspine.plugin.hf_config import dspine_config_of
 from vllm_dspine.kernels.bridge_ref import BridgeWeights
 
 
@@ -130,7 +130,7 @@ class DSpineDraftForCausalLM(DFlashQwen3ForCausalLM):
     model_cls = DSpineModel
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
-        from vllm_dspine.checkpoint import check_tensor_shapes
+        from vllm_dspine.model.checkpoint import check_tensor_shapes
 
         tensors = dict(weights)
         where = str(self.draft_model_config.model)

@@ -5,7 +5,7 @@ own state. The figures for the released Qwen3.8-27B drafter reproduce the articl
 20,480 B of draft K/V per retained position, 160 MiB for an 8,192-position window, 2.5 GiB
 for 131,072 positions, a 485 MiB codebook and 727.5 MiB of greedy-tail tables.
 
-    python -m vllm_dspine.memory --config DRAFT_DIR|released --max-context 131072 --concurrency 8
+    python -m vllm_dspine.model.memory --config DRAFT_DIR|released --max-context 131072 --concurrency 8
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from vllm_dspine.checkpoint import expected_tensor_shapes
+from vllm_dspine.model.checkpoint import expected_tensor_shapes
 from vllm_dspine.config import RELEASED_QWEN38_27B, DSpineConfig
 
 MiB = 1 << 20

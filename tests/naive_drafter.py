@@ -1,8 +1,12 @@
-"""The DSpine drafter in plain PyTorch, readable top to bottom (DESIGN sections 1.1-1.3).
+"""A per-request drafter for tests: an independent check of `model/drafter.py`.
 
-This is the statement of the model and the oracle the vLLM model class
-(`vllm_drafter.py`) is tested against. One request at a time, fp32, no caches beyond
-the context K/V it is handed; loops where they make the math plain.
+The statement of the model is the batched `block_forward` (many blocks of many
+sequences packed along rows, kept apart by a block-causal mask). This helper computes
+the same block one request at a time, with the context handed in as explicit K/V at
+explicit positions and the mask built from positions alone (no packing, no block
+bookkeeping), so a wrong packed mask, a row leaking across blocks or a context offset
+in `block_forward` shows as a difference. It shares only `rms_norm`, `rope` and the
+bridge reference with the model; it is not used outside tests.
 
     H hidden, F number of target feature layers, B block size, P context length,
     KVH kv heads, D head dim, V vocabulary.
@@ -16,23 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from vllm_dspine.config import DSpineConfig
-from vllm_dspine.kernels.bridge_ref import BridgeWeights, code_bridge_ref
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-
-
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Neox-style rotary embedding.  x: [T, heads, D], positions: [T]."""
-    D = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
-    angles = positions.double()[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos = angles.cos().float()[:, None, :]
-    sin = angles.sin().float()[:, None, :]
-    x1, x2 = x[..., : D // 2], x[..., D // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+from vllm_dspine.kernels.bridge_ref import code_bridge_ref
+from vllm_dspine.model.checkpoint import bridge_weights
+from vllm_dspine.model.drafter import rms_norm, rope
 
 
 @dataclass
@@ -54,7 +44,7 @@ class BlockOutput:
     layer_codes: list[torch.Tensor]  # L x [B, C]
 
 
-class ReferenceDrafter:
+class NaiveDrafter:
     """Weights by checkpoint name (DESIGN section 2) plus the target's embedding/head."""
 
     def __init__(self, cfg: DSpineConfig, tensors: dict[str, torch.Tensor],
@@ -63,17 +53,7 @@ class ReferenceDrafter:
         self.w = {k: v.float() for k, v in tensors.items()}
         self.embed_tokens = embed_tokens.float()  # [V, H]
         self.lm_head = lm_head.float()  # [V, H]
-        L = cfg.num_hidden_layers
-        self.bridge = BridgeWeights(
-            codebook=self.w["bridge.codebook"],
-            read=[self.w[f"bridge.read.{l}.weight"] for l in range(L)],
-            gate_recv=self.w["bridge.gate_recv.weight"],
-            gate_pred=self.w["bridge.gate_pred.weight"],
-            value=self.w["bridge.value.weight"],
-            gate_bias=self.w["bridge.gate_bias"],
-            write=[self.w[f"bridge.write.{l}.weight"] for l in range(L)],
-            eps=cfg.bridge_eps,
-        )
+        self.bridge = bridge_weights(cfg, self.w)
 
     # ---------------------------------------------------------------- context
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> ContextKV:

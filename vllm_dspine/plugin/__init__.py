@@ -13,12 +13,12 @@ def register() -> None:
         return
     from vllm import ModelRegistry
 
-    from vllm_dspine.hf_config import register_hf_config
-    from vllm_dspine.vllm_patches import apply_patches
+    from vllm_dspine.plugin.hf_config import register_hf_config
+    from vllm_dspine.plugin.patches import apply_patches
 
     apply_patches()
     register_hf_config()
-    model = "vllm_dspine.vllm_drafter:DSpineDraftForCausalLM"
+    model = "vllm_dspine.model.vllm_model:DSpineDraftForCausalLM"
     # vLLM's DFlash path renames a draft architecture X to "DFlashX".
     for arch in ("DSpineDraftModel", "DFlashDSpineDraftModel"):
         if arch not in ModelRegistry.get_supported_archs():

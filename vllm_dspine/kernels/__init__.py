@@ -1,0 +1,3 @@
+"""One cycle's drafter-side operators, each Triton kernel beside its PyTorch reference
+(the CPU path): the code bridge (`bridge*.py`), candidate retrieval (`retrieval*.py`)
+and the serial refinement of the last write (`tail*.py`)."""

@@ -1,0 +1,190 @@
+"""The DSpine drafter in plain PyTorch, readable top to bottom (DESIGN sections 1.1-1.3).
+
+`block_forward` is the statement of the model: the oracle the vLLM model class
+(`model/vllm_model.py`) is tested against, the training forward (`train/`), and the
+forward every test of the math uses. It drafts many blocks of many sequences at once
+and is differentiable in the drafter's weights:
+
+    features [S, T, F*H] --fc, hidden_norm--> ctx [S, T, H] --k/v per layer--> context K/V
+    block rows [S, nb*B, H] (anchor embedding, then mask embeddings)
+      -> L x (pre-norm attention over context K/V + the block, SwiGLU MLP, code bridge)
+      -> final norm -> logits [S, nb, B, V]
+
+Blocks of one sequence are packed side by side along the row axis and kept apart by a
+block-causal mask (`block_attention_mask`): row t of block b sees the context positions
+before its anchor and rows 0..t of its own block, nothing of another block.
+
+    S sequences, T sequence length, nb blocks per sequence, B block size, N = nb*B rows
+    per sequence, H hidden, F target feature layers, KVH kv heads, D head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from vllm_dspine.config import DSpineConfig
+from vllm_dspine.kernels.bridge_ref import code_bridge_ref
+from vllm_dspine.model.checkpoint import bridge_weights
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Neox-style rotary embedding.  x: [T, heads, D], positions: [T]."""
+    D = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    angles = positions.double()[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos = angles.cos().float()[:, None, :]
+    sin = angles.sin().float()[:, None, :]
+    x1, x2 = x[..., : D // 2], x[..., D // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+# ------------------------------------------------------------------------- context
+@dataclass
+class DraftContext:
+    """Draft context K/V of S sequences, per draft layer (DESIGN section 1.1)."""
+
+    keys: list[torch.Tensor]  # L x [S, T, KVH, D]  k_norm + RoPE applied
+    values: list[torch.Tensor]  # L x [S, T, KVH, D]
+
+
+def context_kv(cfg: DSpineConfig, w: dict[str, torch.Tensor],
+               features: torch.Tensor,  # [S, T, F*H]  target layer outputs at 0..T-1
+               ) -> DraftContext:
+    """ctx = hidden_norm(fc(features)); per layer k = RoPE(k_norm(k_proj(ctx))),
+    v = v_proj(ctx). No input layernorm on ctx, as in DFlash."""
+    S, T = features.shape[:2]
+    kvh, D, eps = cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+    ctx = rms_norm(features.float() @ w["fc.weight"].float().t(), w["hidden_norm.weight"],
+                   eps)  # [S, T, H]
+    pos = torch.arange(T).repeat(S)  # [S*T]
+    keys, values = [], []
+    for l in range(cfg.num_hidden_layers):
+        p = f"layers.{l}.self_attn."
+        k = (ctx @ w[p + "k_proj.weight"].t()).reshape(S * T, kvh, D)
+        k = rope(rms_norm(k, w[p + "k_norm.weight"], eps), pos, cfg.rope_theta)
+        keys.append(k.view(S, T, kvh, D))
+        values.append((ctx @ w[p + "v_proj.weight"].t()).view(S, T, kvh, D))
+    return DraftContext(keys, values)
+
+
+def block_attention_mask(anchors: torch.Tensor,  # [S, nb]  anchor positions
+                         T: int, B: int, sliding_window: int | None) -> torch.Tensor:
+    """Which keys each packed block row may see.  -> bool [S, N, T + N], True = attend.
+
+    Keys are the T context positions, then the N = nb*B block rows. Row t of block b
+    (position anchors[b] + t) sees context position j iff j < anchors[b] (the target has
+    produced features for 0 .. anchor-1 only) and, with a window, pos - j < window; of
+    the block rows it sees rows 0..t of its own block (causal inside the block).
+    E.g. nb = 2, B = 2: rows [b0r0, b0r1, b1r0, b1r1] see block rows
+    [[1,0,0,0], [1,1,0,0], [0,0,1,0], [0,0,1,1]].
+    """
+    S, nb = anchors.shape
+    N = nb * B
+    positions = (anchors[..., None] + torch.arange(B)).reshape(S, N)  # [S, N]
+    key_pos = torch.arange(T)
+    row_anchor = anchors.repeat_interleave(B, dim=1)  # [S, N]
+    ctx_ok = key_pos[None, None, :] < row_anchor[..., None]  # [S, N, T]
+    block_of = torch.arange(N) // B
+    row_in = torch.arange(N) % B
+    blk_ok = (block_of[:, None] == block_of[None, :]) & (row_in[None, :] <= row_in[:, None])
+    if sliding_window is not None:
+        ctx_ok &= (positions[..., None] - key_pos) < sliding_window
+        blk_ok &= (row_in[:, None] - row_in[None, :]) < sliding_window
+    return torch.cat([ctx_ok, blk_ok.expand(S, N, N)], dim=-1)
+
+
+# ------------------------------------------------------------------- one draft layer
+def _attention(cfg: DSpineConfig, w: dict[str, torch.Tensor], l: int,
+               x: torch.Tensor,  # [S, N, H]  normed block rows
+               positions: torch.Tensor,  # [S, N]
+               context: DraftContext,
+               mask: torch.Tensor,  # [S, N, T + N]  bool
+               ) -> torch.Tensor:
+    p = f"layers.{l}.self_attn."
+    S, N, _ = x.shape
+    nh, kvh, D, eps = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                       cfg.rms_norm_eps)
+    flat_pos = positions.reshape(-1)  # [S*N]
+    q = (x @ w[p + "q_proj.weight"].t()).view(S * N, nh, D)
+    k = (x @ w[p + "k_proj.weight"].t()).view(S * N, kvh, D)
+    v = (x @ w[p + "v_proj.weight"].t()).view(S, N, kvh, D)
+    q = rope(rms_norm(q, w[p + "q_norm.weight"], eps), flat_pos, cfg.rope_theta)
+    k = rope(rms_norm(k, w[p + "k_norm.weight"], eps), flat_pos, cfg.rope_theta)
+    keys = torch.cat([context.keys[l], k.view(S, N, kvh, D)], dim=1)  # [S, T+N, KVH, D]
+    values = torch.cat([context.values[l], v], dim=1)  # [S, T+N, KVH, D]
+    group = nh // kvh
+    out = F.scaled_dot_product_attention(
+        q.view(S, N, nh, D).transpose(1, 2),  # [S, nh, N, D]
+        keys.repeat_interleave(group, dim=2).transpose(1, 2),  # [S, nh, T+N, D]
+        values.repeat_interleave(group, dim=2).transpose(1, 2),
+        attn_mask=mask[:, None], scale=D ** -0.5)  # [S, nh, N, D]
+    return out.transpose(1, 2).reshape(S, N, nh * D) @ w[p + "o_proj.weight"].t()
+
+
+def _mlp(w: dict[str, torch.Tensor], l: int, x: torch.Tensor) -> torch.Tensor:
+    p = f"layers.{l}.mlp."
+    return (F.silu(x @ w[p + "gate_proj.weight"].t()) * (x @ w[p + "up_proj.weight"].t())) \
+        @ w[p + "down_proj.weight"].t()
+
+
+# ------------------------------------------------------------------------ the block
+@dataclass
+class BlocksOut:
+    logits: torch.Tensor | None  # [S, nb, B, V]  (None when not asked for)
+    final_hidden: torch.Tensor  # [S, nb, B, H]  after the final norm
+    pre_write_state: torch.Tensor  # [S, nb, B, H]  last layer's post-MLP residual, before its write
+    last_codes: torch.Tensor  # [S, nb, B, C]  that layer's read codes (row 0: sqrt(C) E[anchor])
+    last_rms: torch.Tensor  # [S, nb, B]
+
+
+def block_forward(cfg: DSpineConfig, w: dict[str, torch.Tensor],
+                  embed_tokens: torch.Tensor,  # [V, H]  the target's, shared
+                  lm_head: torch.Tensor,  # [V, H]  the target's, shared
+                  ids: torch.Tensor,  # [S, T]  token ids of each sequence
+                  features: torch.Tensor,  # [S, T, F*H]  target layer outputs
+                  anchors: torch.Tensor,  # [S, nb]  anchor positions, 0 < p < T
+                  logits: bool = True,
+                  ) -> BlocksOut:
+    """Draft block (s, b) for every sequence s and anchor p = anchors[s, b] at once.
+
+    Row 0 is `ids[s, p]` at position p, rows 1..B-1 the mask token at p+1..p+B-1; the
+    context is features[s, :p]. `w` holds the drafter's tensors by checkpoint name
+    (DESIGN section 2); autograd flows through them.
+    """
+    assert ids.ndim == 2 and features.shape[:2] == ids.shape and anchors.ndim == 2
+    S, T = ids.shape
+    nb, B, L, eps = anchors.shape[1], cfg.block_size, cfg.num_hidden_layers, cfg.rms_norm_eps
+    N = nb * B
+    context = context_kv(cfg, w, features)
+    mask = block_attention_mask(anchors, T, B, cfg.sliding_window)  # [S, N, T+N]
+    positions = (anchors[..., None] + torch.arange(B)).reshape(S, N)  # [S, N]
+    tok = torch.full((S, nb, B), cfg.mask_token_id, dtype=torch.long)
+    tok[:, :, 0] = ids.gather(1, anchors)
+    flat_tok = tok.reshape(-1)  # [S*N]
+    is_anchor = (torch.arange(S * N) % B) == 0  # [S*N]
+    bridge = bridge_weights(cfg, w)
+
+    x = embed_tokens.float()[tok].view(S, N, -1)  # [S, N, H]
+    pre_write = codes = rms = None
+    for l in range(L):
+        p = f"layers.{l}."
+        h = x + _attention(cfg, w, l, rms_norm(x, w[p + "input_layernorm.weight"], eps),
+                           positions, context, mask)
+        x = h + _mlp(w, l, rms_norm(h, w[p + "post_attention_layernorm.weight"], eps))
+        pre_write = x
+        x_flat, codes, rms = code_bridge_ref(x.reshape(S * N, -1), l, bridge, flat_tok,
+                                             is_anchor)
+        x = x_flat.view(S, N, -1)
+    final = rms_norm(x, w["norm.weight"], eps).view(S, nb, B, -1)  # [S, nb, B, H]
+    return BlocksOut(
+        logits=final @ lm_head.float().t() if logits else None, final_hidden=final,
+        pre_write_state=pre_write.view(S, nb, B, -1),
+        last_codes=codes.view(S, nb, B, -1), last_rms=rms.view(S, nb, B))

@@ -1,0 +1,1 @@
+"""Serving beyond one engine: Ray Serve, each replica a vLLM engine with DSpine."""
