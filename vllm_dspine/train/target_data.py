@@ -100,3 +100,95 @@ def target_features(model, ids: torch.Tensor, layer_ids: tuple[int, ...]) -> tor
     with _capture_layer_outputs(model, layer_ids) as taken:
         model(input_ids=ids, use_cache=False)
     return torch.cat([taken[i][0] for i in layer_ids], dim=-1)
+
+
+# ------------------------------------------------------------ real targets, via vLLM
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    """Token ids of `prompt` as one user turn, with the generation prompt (the chat
+    template rendered to text, then encoded without adding special tokens again)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                         add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def make_llm(target_dir: str, max_model_len: int, max_num_seqs: int = 32):
+    """A plain vLLM engine on the target (no speculation), fp32 on CPU."""
+    from vllm import LLM
+
+    return LLM(target_dir, dtype="float32", enforce_eager=True, max_model_len=max_model_len,
+               max_num_seqs=max_num_seqs, seed=0)
+
+
+def generate_self_prompts(llm, tokenizer, num: int, seed: int,
+                          max_tokens: int = 48) -> list[str]:
+    """User turns the target writes itself: it is given only the opening of a user turn
+    (the chat template up to the user's first word) and samples at temperature 1.0.
+    Kept: one-line results of 4..60 words that end like a request or a question."""
+    from vllm import SamplingParams
+
+    openers = ("Write", "How do I", "Explain", "What is", "Can you", "Give me",
+               "Implement", "Why does", "Show me", "Create", "Describe", "Fix")
+    stub = tokenizer.apply_chat_template([{"role": "user", "content": "\x00"}],
+                                         tokenize=False).split("\x00")[0]
+    texts = [stub + openers[i % len(openers)] for i in range(num)]
+    params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=max_tokens,
+                             seed=seed * 1_000_003 + i, stop=["\n", "<|im_end|>"])
+              for i in range(num)]
+    outs = llm.generate(texts, params, use_tqdm=False)
+    prompts = []
+    for i, o in enumerate(outs):
+        text = (openers[i % len(openers)] + o.outputs[0].text).strip()
+        words = len(text.split())
+        if 4 <= words <= 60 and text[-1:] in ".?":
+            prompts.append(text)
+    return prompts
+
+
+def generate_answers(llm, tokenizer, prompts: list[str], max_tokens: int,
+                     greedy_share: float, temperature: float, seed: int
+                     ) -> list[list[int]]:
+    """The target's answers to chat-templated `prompts`: the first round(greedy_share * n)
+    greedy, the rest sampled at `temperature` (top-p 0.95, per-prompt seeds).
+    -> per prompt, prompt ids + answer ids (the text the drafter is trained on)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    n_greedy = round(greedy_share * len(prompts))
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens) if i < n_greedy else
+              SamplingParams(temperature=temperature, top_p=0.95, max_tokens=max_tokens,
+                             seed=seed * 1_000_003 + i)
+              for i in range(len(prompts))]
+    ids = [chat_ids(tokenizer, p) for p in prompts]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], params,
+                        use_tqdm=True)
+    return [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+
+
+@torch.no_grad()
+def features_of_sequences(model, seqs: list[list[int]], layer_ids: tuple[int, ...],
+                          batch_tokens: int = 4096, progress=None) -> list[torch.Tensor]:
+    """Target features of every position of every sequence.  -> per sequence [T, F*H]
+
+    Sequences of similar length are batched (right-padded; causal attention keeps the
+    padding out of real positions), at most `batch_tokens` padded tokens per forward.
+    """
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out: list[torch.Tensor | None] = [None] * len(seqs)
+    i = 0
+    while i < len(order):
+        T = len(seqs[order[i]])
+        j = i
+        while j < len(order) and (j - i + 1) * len(seqs[order[j]]) <= max(batch_tokens, T):
+            j += 1
+        group = order[i:j]
+        T = max(len(seqs[g]) for g in group)
+        ids = torch.zeros(len(group), T, dtype=torch.long)
+        for r, g in enumerate(group):
+            ids[r, :len(seqs[g])] = torch.tensor(seqs[g])
+        feats = target_features(model, ids, layer_ids)  # [n, T, F*H]
+        for r, g in enumerate(group):
+            out[g] = feats[r, :len(seqs[g])].clone()
+        if progress is not None:
+            progress(sum(len(seqs[g]) for g in group))
+        i = j
+    return out  # type: ignore[return-value]

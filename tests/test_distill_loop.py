@@ -1,0 +1,375 @@
+"""The block-distillation loop (`train/loop.py`) on the tiny pair: data parallelism gives
+the one-process run, a resumed run is the uninterrupted one bit for bit, labels and
+batches are cut where the text ends, the loss curve is a PNG; and the drafter's xformers
+attention path (CUDA) is the SDPA one.
+
+    S sequences, T length, nb blocks per sequence, B block size, K = B - 1.
+"""
+
+import json
+import os
+import socket
+import sys
+
+import pytest
+import torch
+
+from vllm_dspine.model.checkpoint import random_draft_tensors
+from vllm_dspine.model.drafter import _xformers_ops, attention_backend, block_forward
+from vllm_dspine.pairs.tiny import draft_config, write_tiny_pair
+from vllm_dspine.train import loop
+from vllm_dspine.train.loop import (IGNORE, DistillData, DistillSettings, block_labels,
+                                    block_loss, distill, row_weights, sample_batch)
+from vllm_dspine.train.target_data import generate_text, target_features
+
+# Small enough for seconds on a busy 2-core CPU: 4 sequences of 4 blocks per step.
+SETTINGS = DistillSettings(steps=3, seqs_per_step=4, blocks_per_seq=4, lr=1e-3, warmup=1,
+                           ckpt_every=100, seed=0)
+PROMPT = 8
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Two threads on a busy 2-core box run these small ops many times slower than one.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return write_tiny_pair(str(tmp_path_factory.mktemp("tiny")), seed=0)
+
+
+@pytest.fixture(scope="module")
+def target(pair):
+    from vllm_dspine.train.target_data import load_target
+
+    return load_target(pair.target_dir)
+
+
+@pytest.fixture(scope="module")
+def inputs(target):
+    """(cfg, init tensors, embed, head, data): six texts cut to different lengths, so
+    that blocks near an end (ignored rows) fall unevenly between ranks."""
+    cfg, threads = draft_config(), torch.get_num_threads()
+    torch.set_num_threads(1)  # module fixtures run before the per-test `one_thread`
+    try:
+        ids = generate_text(target, 6, PROMPT, 24, 0.5, torch.Generator().manual_seed(0))
+        feats = target_features(target, ids, cfg.target_layer_ids)  # [6, 32, 384]
+    finally:
+        torch.set_num_threads(threads)
+    # Features of a prefix are those of the full text (the target is causal).
+    lengths = [32, 21, 27, 32, 18, 25]
+    data = DistillData(ids=[ids[i, :n].clone() for i, n in enumerate(lengths)],
+                       feats=[feats[i, :n].clone() for i, n in enumerate(lengths)],
+                       first_anchor=[PROMPT] * len(lengths))
+    embed, head = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+    return cfg, random_draft_tensors(cfg, seed=1), embed, head, data
+
+
+def _run(inputs, work_dir, settings=SETTINGS):
+    cfg, init, embed, head, data = inputs
+    return distill(cfg, init, embed, head, data, settings, str(work_dir), progress=False)
+
+
+def _losses(work_dir) -> list[float]:
+    with open(os.path.join(work_dir, "losses.json")) as f:
+        return json.load(f)
+
+
+# ------------------------------------------------------------------ two-process DDP
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank: int, world: int, port: int, inputs_path: str, work_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        cfg_inputs = (draft_config(), *torch.load(inputs_path, weights_only=False))
+        tensors, _ = _run(cfg_inputs, work_dir)
+        torch.save(tensors, os.path.join(work_dir, f"tensors_rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_process_ddp_matches_one_process(inputs, tmp_path):
+    import torch.multiprocessing as mp
+
+    single, _ = _run(inputs, tmp_path / "single")
+    _, init, embed, head, data = inputs
+    torch.save((init, embed, head, data), tmp_path / "inputs.pt")
+    ddp_dir = tmp_path / "ddp"
+    ddp_dir.mkdir()
+    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path / "inputs.pt"), str(ddp_dir)),
+             nprocs=2, join=True)
+
+    # Not bit-equal: DDP's gradient all-reduce adds the two ranks' partial sums (each a
+    # sum over its half of the batch) in another order than one process's single sum
+    # over the whole batch, so fp32 rounding differs in the last bits (and Adam carries
+    # that on); with equal normalisation the difference is rounding only. (Each rank
+    # dividing by its own total weight, as the loop did before, moves the loss by ~2%.)
+    assert len(_losses(ddp_dir)) == len(_losses(tmp_path / "single")) == SETTINGS.steps
+    torch.testing.assert_close(torch.tensor(_losses(ddp_dir)),
+                               torch.tensor(_losses(tmp_path / "single")),
+                               atol=1e-5, rtol=1e-5)
+    ranks = [torch.load(ddp_dir / f"tensors_rank{r}.pt") for r in range(2)]
+    for name, t in single.items():
+        assert torch.equal(ranks[0][name], ranks[1][name]), name  # DDP keeps ranks equal
+        torch.testing.assert_close(ranks[0][name], t, atol=1e-5, rtol=1e-5, msg=name)
+    assert not torch.equal(single["fc.weight"], init["fc.weight"])  # it did train
+
+
+def test_ddp_gradient_is_the_global_gradient(inputs):
+    """One global batch: the mean of the two ranks' gradients (what DDP applies) equals
+    the one-process gradient, also when the ignored rows fall unevenly on the ranks."""
+    cfg, init, embed, head, data = inputs
+    vocab = data.vocab_ids()
+    remap = torch.full((embed.shape[0],), IGNORE, dtype=torch.long)
+    remap[vocab] = torch.arange(len(vocab))
+    head_v = head[vocab]
+    weights = row_weights(cfg.block_size, SETTINGS.row_decay)
+    ids, feats, anchors, lengths = sample_batch(data, [1, 0, 4, 3], 4, cfg.block_size,
+                                                torch.Generator().manual_seed(5))
+    labels = block_labels(ids, anchors, cfg.block_size, lengths)
+    labels = torch.where(labels == IGNORE, labels, remap[labels.clamp(min=0)])
+    wt = weights * (labels != IGNORE)  # [S, nb, K]
+    halves = [slice(0, None, 2), slice(1, None, 2)]  # rank r's sequences, as in distill
+    # The case the normalisation is for: the ranks hold different total weights.
+    assert abs(wt[halves[0]].sum() - wt[halves[1]].sum()) > 1.0
+
+    def grads(sl, total):
+        w = {n: t.clone().requires_grad_(True) for n, t in init.items()}
+        loss = block_loss(cfg, w, embed, head_v, ids[sl], feats[sl], anchors[sl],
+                          labels[sl], weights, total)
+        return loss.detach(), torch.autograd.grad(loss, list(w.values()))
+
+    loss_one, g_one = grads(slice(None), None)
+    parts = [grads(sl, wt.sum() / 2) for sl in halves]
+    torch.testing.assert_close((parts[0][0] + parts[1][0]) / 2, loss_one, atol=0, rtol=1e-6)
+    for name, g, g0, g1 in zip(init, g_one, parts[0][1], parts[1][1]):
+        err = ((g0 + g1) / 2 - g).norm()
+        assert err <= 1e-6 * g.norm() + 1e-12, (name, float(err), float(g.norm()))
+    # Each rank's own mean (the old normalisation) averages to something else.
+    own = [grads(sl, None) for sl in halves]
+    assert abs((own[0][0] + own[1][0]) / 2 - loss_one) > 1e-4 * loss_one
+
+
+# ------------------------------------------------------------------------- resume
+def test_resume_is_bit_identical(inputs, tmp_path, monkeypatch):
+    s = DistillSettings(**{**SETTINGS.__dict__, "steps": 6, "ckpt_every": 3})
+    full, stats_full = _run(inputs, tmp_path / "full", s)
+    assert stats_full["resumed_at"] == 0
+
+    class Interrupted(Exception):
+        pass
+
+    real_save = loop._save_state
+
+    def save_then_stop(path, state):  # a crash right after the step-3 checkpoint
+        real_save(path, state)
+        if state["step"] == 3:
+            raise Interrupted
+
+    monkeypatch.setattr(loop, "_save_state", save_then_stop)
+    with pytest.raises(Interrupted):
+        _run(inputs, tmp_path / "resumed", s)
+    monkeypatch.setattr(loop, "_save_state", real_save)
+    assert not os.path.exists(tmp_path / "resumed" / "losses.json")
+    resumed, stats = _run(inputs, tmp_path / "resumed", s)
+
+    assert stats["resumed_at"] == 3
+    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "full")
+    assert len(_losses(tmp_path / "full")) == 6
+    for name in full:
+        assert torch.equal(resumed[name], full[name]), name
+
+
+# --------------------------------------------------------------- labels and batches
+def test_block_labels_ignore_past_the_end():
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15],
+                        [20, 21, 22, 23, 0, 0]])  # row 1: length 4, then padding
+    anchors = torch.tensor([[1, 4], [0, 2]])
+    I = IGNORE
+    got = block_labels(ids, anchors, 4, torch.tensor([6, 4]))  # K = 3
+    assert got.tolist() == [[[12, 13, 14], [15, I, I]],
+                            [[21, 22, 23], [23, I, I]]]
+    # Without lengths only the tensor's end counts: padding would become labels.
+    assert block_labels(ids, anchors, 4)[1, 1].tolist() == [23, 0, 0]
+
+
+def test_sample_batch_anchors_and_cut():
+    lengths, first = [20, 33, 26], [8, 10, 5]
+    data = DistillData(ids=[torch.arange(n) + 1 for n in lengths],
+                       feats=[torch.randn(n, 3) for n in lengths], first_anchor=first)
+    gen = torch.Generator().manual_seed(0)
+    B, seen = 16, [set() for _ in lengths]
+    for _ in range(40):
+        ids, feats, anchors, rows = sample_batch(data, [2, 0, 1], 8, B, gen)
+        for r, i in enumerate([2, 0, 1]):
+            T = lengths[i]
+            assert first[i] <= int(anchors[r].min()) and int(anchors[r].max()) <= T - 2
+            seen[i].update(anchors[r].tolist())
+            n = min(T, int(anchors[r].max()) + B)
+            assert int(rows[r]) == n
+            assert torch.equal(ids[r, :n], data.ids[i][:n]) and not ids[r, n:].any()
+            assert torch.equal(feats[r, :n], data.feats[i][:n]) and not feats[r, n:].any()
+    for i, T in enumerate(lengths):  # both ends of [first_anchor, T - 2] are drawn
+        assert min(seen[i]) == first[i] and max(seen[i]) == T - 2
+
+
+# ---------------------------------------------------------------------- loss curve
+def _assert_png(path):
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR"
+    import matplotlib.image
+
+    img = matplotlib.image.imread(path)
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+
+
+def test_loss_png(inputs, tmp_path):
+    _run(inputs, tmp_path / "run")
+    _assert_png(tmp_path / "run" / "loss.png")
+    # Long enough for the running mean as well.
+    loop.plot_loss([5.0 - 0.01 * i for i in range(60)], str(tmp_path / "long.png"), "t")
+    _assert_png(tmp_path / "long.png")
+
+
+# ----------------------------------------------------------------- attention paths
+class _StandInBias:
+    """xformers' BlockDiagonalCausal[LocalAttention]FromBottomRightMask as its docs state
+    it: block i's query t (of q) sees key j (of k) iff j <= t + k - q and, with a window,
+    t + k - q - j < window."""
+
+    def __init__(self, q_seqlen, kv_seqlen, window=None):
+        self.q, self.kv, self.window = list(q_seqlen), list(kv_seqlen), window
+
+    @classmethod
+    def from_seqlens(cls, q_seqlen, kv_seqlen):
+        return cls(q_seqlen, kv_seqlen)
+
+    def make_local_attention_from_bottomright(self, window_size):
+        return _StandInBias(self.q, self.kv, window_size)
+
+    def materialize(self) -> torch.Tensor:  # [sum q, sum kv]  True = attend
+        m = torch.zeros(sum(self.q), sum(self.kv), dtype=torch.bool)
+        q0 = k0 = 0
+        for q, k in zip(self.q, self.kv):
+            t, j = torch.arange(q)[:, None], torch.arange(k)[None, :]
+            ok = j <= t + k - q
+            if self.window is not None:
+                ok &= (t + k - q - j) < self.window
+            m[q0:q0 + q, k0:k0 + k] = ok
+            q0, k0 = q0 + q, k0 + k
+        return m
+
+
+def _stand_in_attention(q, k, v, attn_bias, scale):  # [1, M, heads, D] like xformers
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=attn_bias.materialize(), scale=scale)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 6], ids=["full", "window6"])
+def test_xformers_path_on_cpu_with_a_stand_in(inputs, batch, sliding_window, monkeypatch):
+    """The xformers path's packing (keys gathered per block, bias lengths, GQA, output
+    layout) on CPU, with xformers replaced by a dense stand-in that follows its
+    documented mask semantics: the same logits and gradients as the SDPA path."""
+    import types
+
+    from vllm_dspine.model import drafter
+
+    for name in ("xformers", "xformers.ops", "xformers.ops.fmha",
+                 "xformers.ops.fmha.attn_bias"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["xformers.ops.fmha.attn_bias"].BlockDiagonalCausalFromBottomRightMask = \
+        _StandInBias
+    monkeypatch.setattr(drafter, "_xformers_ops", lambda: types.SimpleNamespace(
+        memory_efficient_attention=_stand_in_attention))
+    monkeypatch.setattr(drafter, "attention_backend", lambda attention, *a: attention)
+    _, init, embed, head, _ = inputs
+    cfg = draft_config(sliding_window=sliding_window)
+    ids, feats, anchors = batch
+
+    def logits_and_grads(attention):
+        w = {n: t.clone().requires_grad_(True) for n, t in init.items()}
+        out = block_forward(cfg, w, embed, head, ids, feats, anchors, attention=attention)
+        loss = out.logits.logsumexp(-1).mean()
+        return out.logits.detach(), torch.autograd.grad(loss, list(w.values()))
+
+    logits_x, g_x = logits_and_grads("xformers")
+    logits_s, g_s = logits_and_grads("sdpa")
+    torch.testing.assert_close(logits_x, logits_s, atol=1e-5, rtol=1e-5)
+    for name, gx, gs in zip(init, g_x, g_s):
+        torch.testing.assert_close(gx, gs, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.fixture(scope="module")
+def batch(inputs):
+    cfg, init, embed, head, data = inputs
+    ids, feats, anchors, _ = sample_batch(data, [0, 3], 3, cfg.block_size,
+                                          torch.Generator().manual_seed(2))
+    return ids, feats, anchors
+
+
+def test_attention_choice_on_cpu(inputs, batch):
+    cfg, init, embed, head, _ = inputs
+    ids, feats, anchors = batch
+    with pytest.raises(ValueError, match=r"needs CUDA.*attention='sdpa'"):
+        block_forward(cfg, init, embed, head, ids, feats, anchors, attention="xformers")
+    with pytest.raises(ValueError, match="expected one of"):
+        block_forward(cfg, init, embed, head, ids, feats, anchors, attention="flash")
+    auto = block_forward(cfg, init, embed, head, ids, feats, anchors)
+    sdpa = block_forward(cfg, init, embed, head, ids, feats, anchors, attention="sdpa")
+    assert torch.equal(auto.logits, sdpa.logits)  # "auto" on CPU is SDPA
+    cuda = torch.device("cuda")  # the choice alone; nothing runs on it
+    assert attention_backend("auto", cuda, sliding_window=6) == "sdpa"
+    if _xformers_ops() is None:
+        assert attention_backend("auto", cuda) == "sdpa"
+        with pytest.raises(ValueError, match="xformers is not installed.*pip install"):
+            attention_backend("xformers", cuda)
+    else:
+        assert attention_backend("auto", cuda) == "xformers"
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and _xformers_ops() is not None),
+                    reason="attention='xformers' runs only on CUDA with xformers installed")
+@pytest.mark.parametrize("sliding_window", [None, 6], ids=["full", "window6"])
+def test_xformers_matches_sdpa(inputs, batch, sliding_window):
+    _, init, embed, head, _ = inputs
+    cfg = draft_config(sliding_window=sliding_window)
+    ids, feats, anchors = (t.cuda() for t in batch)
+    labels = block_labels(ids, anchors, cfg.block_size)  # full-vocabulary ids
+    weights = row_weights(cfg.block_size, 7.0).cuda()
+    embed, head = embed.cuda(), head.cuda()
+
+    def loss_and_grads(attention, grads):
+        w = {n: t.cuda().requires_grad_(grads) for n, t in init.items()}
+        out = block_forward(cfg, w, embed, head, ids, feats, anchors, attention=attention)
+        ce = torch.nn.functional.cross_entropy(
+            out.logits[:, :, 1:].reshape(-1, head.shape[0]), labels.reshape(-1),
+            ignore_index=IGNORE, reduction="none").view(labels.shape)
+        wt = weights * (labels != IGNORE)
+        loss = (ce * wt).sum() / wt.sum()
+        g = torch.autograd.grad(loss, list(w.values())) if grads else ()
+        return out.logits.detach(), loss.detach(), g
+
+    # xformers' fp32 (CUTLASS) backward has no sliding-window bias: forward only there.
+    grads = sliding_window is None
+    logits_x, loss_x, g_x = loss_and_grads("xformers", grads)
+    logits_s, loss_s, g_s = loss_and_grads("sdpa", grads)
+    torch.testing.assert_close(logits_x, logits_s, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(loss_x, loss_s, atol=1e-5, rtol=1e-5)
+    for name, gx, gs in zip(init, g_x, g_s):
+        torch.testing.assert_close(gx, gs, atol=1e-5, rtol=1e-4, msg=name)
