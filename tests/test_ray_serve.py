@@ -1,165 +1,493 @@
-"""Ray Serve (DESIGN section 3, optional): one replica on CPU, a vLLM AsyncLLM with the
-DSpine proposer behind /v1/completions. Loopback only; bounded waits; Serve and Ray are
-always shut down. Skipped where `ray[serve]` is not installed."""
+"""Ray Serve (DESIGN section 3, optional; docs/ray-serve.md): two replicas, each vLLM's own
+OpenAI server around an engine with the DSpine proposer, behind Serve's proxy.
+
+- both replicas answer /v1/completions and /v1/chat/completions (streamed and not), with
+  greedy answers identical to plain `vllm serve` on the same pair and flags;
+- each replica's /metrics is vLLM's, with its own vllm:spec_decode_* counters;
+- a replica killed mid-run: the other keeps answering, nothing is answered twice or in
+  part, and Serve starts a replacement;
+- a replica whose environment would not load the plugin fails the deployment with
+  PluginNotInstalledError, and a worker without the package says so too;
+- shutdown leaves no process of the cluster and no listening port behind.
+
+Loopback only (Serve's proxy and `vllm serve` on 127.0.0.1); every wait is bounded.
+Skipped where `ray[serve]` is not installed.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
 import time
+import uuid
 
 import pytest
 
 pytest.importorskip("ray.serve")
 
-from engine_utils import HOST, engine_env, free_port, sse_payloads  # noqa: E402
+from engine_utils import HOST, dspine_spec, engine_env, free_port, sse_payloads  # noqa: E402
 
 pytestmark = [pytest.mark.engine]
 
-ENGINE_KWARGS = dict(dtype="float32", max_model_len=512, enforce_eager=True,
-                     gpu_memory_utilization=0.15, seed=0, served_model_name="tiny")
+APP = "dspine"
+MODEL = "tiny"
+# The same `vllm serve` flags for the reference server and for every replica.
+SERVE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+              "--gpu-memory-utilization", "0.15", "--seed", "0",
+              "--served-model-name", MODEL]
+
+# Greedy requests whose answers are compared with `vllm serve`'s (name -> route, body).
+REQUESTS = {
+    "completion": ("/v1/completions", {
+        "model": MODEL, "prompt": "abcdefgh", "max_tokens": 24, "temperature": 0,
+        "ignore_eos": True}),
+    "chat": ("/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "say abc"}],
+        "max_tokens": 24, "temperature": 0, "ignore_eos": True}),
+    # Longer, so that a replica killed during the run has requests in flight.
+    "long": ("/v1/completions", {
+        "model": MODEL, "prompt": "the quick brown fox", "max_tokens": 96,
+        "temperature": 0, "ignore_eos": True}),
+}
+REPLICA_HEADER = "x-dspine-replica"  # vllm_dspine.serving.ray_serve.REPLICA_HEADER
+
+
+# ------------------------------------------------------------------------- helpers
+def _answer(route: str, body: dict) -> str:
+    """The generated text of a non-streamed answer."""
+    choice = body["choices"][0]
+    return choice["message"]["content"] if "chat" in route else choice["text"]
+
+
+def _post(base: str, name: str, timeout: float = 180):
+    import httpx
+
+    route, body = REQUESTS[name]
+    r = httpx.post(base + route, json=body, timeout=timeout)
+    assert r.status_code == 200, r.text
+    return _answer(route, r.json()), r.headers.get(REPLICA_HEADER)
+
+
+def _stream(base: str, name: str, timeout: float = 180):
+    """(text, replica, complete): `complete` is whether the stream ended with [DONE]
+    (False too when the connection broke off after the response had started)."""
+    import httpx
+
+    route, body = REQUESTS[name]
+    pieces = []
+    with httpx.stream("POST", base + route, json={**body, "stream": True},
+                      timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        replica = r.headers.get(REPLICA_HEADER)
+        try:
+            for payload in sse_payloads(r):
+                if not payload.get("choices"):
+                    continue
+                choice = payload["choices"][0]
+                piece = (choice["delta"].get("content") if "chat" in route
+                         else choice.get("text"))
+                pieces.append(piece or "")
+        except (AssertionError, httpx.HTTPError):  # no [DONE], or cut off
+            return "".join(pieces), replica, False
+    return "".join(pieces), replica, True
+
+
+def _metrics(text: str) -> dict:
+    """Sum of every sample of each metric (labels dropped) in a Prometheus text page."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name = line.split("{")[0].split(" ")[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _marked_processes(marker: str):
+    """Live processes whose environment carries `marker` (everything the Ray cluster
+    started, including processes that outlived their parent), except this one."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        if p.pid == os.getpid():
+            continue
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if p.environ().get("DSPINE_RAY_TEST") == marker:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
+            continue
+    return found
+
+
+def _wait_for(predicate, timeout: float, what: str, every: float = 1.0):
+    deadline = time.time() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.time() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(every)
+
+
+# ------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from vllm_dspine.pairs.tiny import write_tiny_pair
+
+    return write_tiny_pair(str(tmp_path_factory.mktemp("pair")), seed=0)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def vllm_serve(pair, tmp_path_factory):
+    """Plain `vllm serve` on the same pair and flags, started (not yet up): it comes up
+    while the Ray cluster starts, and `reference` stops it once it has answered."""
     engine_env()
-    import ray
-    from ray import serve
-
-    from vllm_dspine.serving.ray_serve import build_app
-    from vllm_dspine.pairs.tiny import write_tiny_pair
-
-    pair = write_tiny_pair(str(tmp_path_factory.mktemp("pair")), seed=0)
     port = free_port()
-    # address="local": always a fresh single-node cluster, never one found on the machine.
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    vllm_bin = shutil.which("vllm", path=os.path.dirname(sys.executable)) or "vllm"
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [vllm_bin, "serve", pair.target_dir, "--host", HOST, "--port", str(port),
+             "--speculative-config", json.dumps(dspine_spec(pair.draft_dir)), *SERVE_ARGS],
+            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
     try:
-        serve.start(http_options={"host": HOST, "port": port})
-        # serve.run returns once the replica's constructor (engine start) has finished,
-        # and raises if the deployment fails.
-        serve.run(build_app(pair.target_dir, pair.draft_dir, num_replicas=1,
-                            engine_kwargs=ENGINE_KWARGS),
-                  name="dspine", route_prefix="/")
-        yield f"http://{HOST}:{port}"
+        yield proc, f"http://{HOST}:{port}", log_path
     finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def reference(vllm_serve):
+    """`vllm serve`'s answer to each of REQUESTS; the server is stopped afterwards."""
+    import httpx
+
+    proc, base, log_path = vllm_serve
+
+    def up():
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited: {open(log_path).read()[-3000:]}")
+        try:
+            return httpx.get(base + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    _wait_for(up, 400, "vllm serve", every=1)
+    answers = {name: _post(base, name)[0] for name in REQUESTS}
+    proc.terminate()
+    proc.wait(timeout=60)
+    return answers
+
+
+class Cluster:
+    """A fresh local Ray instance with Serve's proxy on 127.0.0.1 and the app deployed."""
+
+    def __init__(self, pair):
+        engine_env()
+        import ray
+        from ray import serve
+
+        from vllm_dspine.serving.ray_serve import build_app
+
+        self.marker = uuid.uuid4().hex
+        self.port = free_port()
+        self.base = f"http://{HOST}:{self.port}"
+        self.stopped = False
+        # Every process the cluster starts inherits this (raylet -> workers -> vLLM's
+        # engine core and workers), so none can hide from the shutdown check.
+        os.environ["DSPINE_RAY_TEST"] = self.marker
+        try:
+            # address="local": always a fresh single-node cluster, never one found on
+            # the machine. Two CPUs: one per replica.
+            ray.init(address="local", num_cpus=2, include_dashboard=False,
+                     log_to_driver=False)
+        finally:
+            del os.environ["DSPINE_RAY_TEST"]
+        try:
+            serve.start(http_options={"host": HOST, "port": self.port})
+            # serve.run returns once both replicas' constructors (engine starts) have
+            # finished, and raises if the deployment fails.
+            serve.run(build_app(pair.target_dir, pair.draft_dir, num_replicas=2,
+                                serve_args=SERVE_ARGS),
+                      name=APP, route_prefix="/")
+        except BaseException:
+            self.stop()
+            raise
+
+    def running_replicas(self) -> int:
+        from ray import serve
+
+        app = serve.status().applications.get(APP)
+        if app is None:
+            return 0
+        states = app.deployments["DSpine"].replica_states
+        return states.get("RUNNING", 0)
+
+    def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        import ray
+        from ray import serve
+
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
 
 
-def _complete(base: str, **body):
+@pytest.fixture(scope="module")
+def cluster(pair, vllm_serve):
+    # The reference `vllm serve` starts first and comes up meanwhile (engine starts
+    # are mostly waiting on imports and handshakes; overlapping them saves time).
+    c = Cluster(pair)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+# --------------------------------------------------------------------------- tests
+def test_both_replicas_answer_like_vllm_serve(cluster, reference):
+    """Each kind of request, repeated until both replicas have answered it (Serve
+    spreads requests over replicas): every answer equals `vllm serve`'s."""
+    def whole_stream(name):
+        text, replica, complete = _stream(cluster.base, name)
+        assert complete, (name, replica, text)
+        return text, replica
+
+    kinds = {
+        "completion": lambda: _post(cluster.base, "completion"),
+        "chat": lambda: _post(cluster.base, "chat"),
+        "chat-stream": lambda: whole_stream("chat"),
+        "completion-stream": lambda: whole_stream("completion"),
+    }
+    seen: dict[str, set] = {}
+    for kind, call in kinds.items():
+        ref = reference[kind.split("-")[0]]
+        replicas: set = set()
+        for _ in range(12):  # P(one replica never picked in 12) = 2 * 2**-12
+            text, replica = call()
+            assert text == ref, (kind, replica, text, ref)
+            assert replica, "no replica header"
+            replicas.add(replica)
+            if len(replicas) == 2:
+                break
+        seen[kind] = replicas
+    assert all(len(r) == 2 for r in seen.values()), seen
+    assert len(set().union(*seen.values())) == 2, seen
+
+
+def test_metrics_of_each_replica(cluster):
+    """/metrics is vLLM's own page of the replica that answers it: both replicas ran
+    DSpine speculation (their vllm:spec_decode_* counters moved)."""
     import httpx
 
-    return httpx.post(base + "/v1/completions", timeout=120, json=body)
+    pages: dict[str, dict] = {}
 
-
-def test_greedy_completion_and_spec_stats(server):
-    import httpx
-
-    body = dict(model="tiny", prompt="abcdefgh", max_tokens=24, temperature=0,
-                ignore_eos=True)
-    first = _complete(server, **body)
-    assert first.status_code == 200, first.text
-    out = first.json()
-    assert out["usage"]["completion_tokens"] == 24
-    assert out["choices"][0]["finish_reason"] == "length"
-    assert out["choices"][0]["text"]
-    # Greedy is deterministic: a second identical request gives identical text.
-    second = _complete(server, **body)
-    assert second.status_code == 200, second.text
-    assert second.json()["choices"][0]["text"] == out["choices"][0]["text"]
-
-    # The replica's engine ran DSpine speculation: vLLM's spec-decode counters moved.
-    # Stats are recorded by the engine's output loop right after it hands the tokens
-    # over, so allow a few polls.
-    deadline, answer = time.time() + 20, {}
-    while time.time() < deadline:
-        answer = httpx.get(server + "/stats", timeout=10).json()
-        if answer["spec_decode"]["num_drafts"] > 0:
-            break
-        time.sleep(0.5)
-    # One replica: the one that answered the completion is the one /stats reports.
-    assert answer["replica"] == first.headers["x-dspine-replica"]
-    stats = answer["spec_decode"]
-    assert stats["num_drafts"] > 0, stats
-    # Up to 15 drafts per step (vLLM may schedule fewer near max_tokens/max_model_len).
-    assert stats["num_drafts"] <= stats["num_draft_tokens"] <= 15 * stats["num_drafts"], stats
-    assert len(stats["num_accepted_tokens_per_pos"]) == 15
-    assert 0 <= stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
-
-
-def test_token_id_prompt_matches_text_prompt(server):
-    # The tiny pair's tokenizer is byte-level: "abcdefgh" is ids 97..104.
-    by_text = _complete(server, prompt="abcdefgh", max_tokens=8, temperature=0,
-                        ignore_eos=True)
-    by_ids = _complete(server, prompt=list(b"abcdefgh"), max_tokens=8, temperature=0,
-                       ignore_eos=True)
-    assert by_text.status_code == by_ids.status_code == 200, (by_text.text, by_ids.text)
-    assert by_ids.json()["choices"][0]["text"] == by_text.json()["choices"][0]["text"]
-
-
-@pytest.mark.parametrize("body, status, words", [
-    pytest.param({"max_tokens": 4}, 400, "prompt", id="missing-prompt"),
-    pytest.param({"prompt": "ab", "max_tokens": 0}, 400, "max_tokens", id="max-tokens-0"),
-    pytest.param({"prompt": "ab", "max_tokens": "4"}, 400, "max_tokens", id="max-tokens-str"),
-    pytest.param({"prompt": "ab", "temperature": -1.0}, 400, "temperature",
-                 id="negative-temperature"),
-    pytest.param({"prompt": "ab", "n": 2}, 400, "'n'", id="unsupported-n"),
-    pytest.param({"prompt": "ab", "model": "other"}, 404, "does not exist",
-                 id="unknown-model"),
-    pytest.param({"prompt": "a" * 600, "max_tokens": 4}, 400, "maximum",
-                 id="prompt-too-long"),
-])
-def test_bad_request_is_refused_and_replica_survives(server, body, status, words):
-    r = _complete(server, **body)
-    assert r.status_code == status, r.text
-    assert words in r.json()["error"]["message"]
-    ok = _complete(server, prompt="xyz", max_tokens=4, temperature=0, ignore_eos=True)
-    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
-
-
-def test_invalid_json_is_400(server):
-    import httpx
-
-    r = httpx.post(server + "/v1/completions", timeout=30, content=b"{not json",
-                   headers={"content-type": "application/json"})
-    assert r.status_code == 400, r.text
-    assert "JSON" in r.json()["error"]["message"]
-
-
-def test_stream_equals_non_stream(server):
-    import httpx
-
-    body = dict(prompt="hello", max_tokens=20, temperature=0, ignore_eos=True)
-    whole = _complete(server, **body).json()["choices"][0]["text"]
-    with httpx.stream("POST", server + "/v1/completions", timeout=120,
-                      json={**body, "stream": True}) as r:
+    def both():
+        r = httpx.get(cluster.base + "/metrics", timeout=30)
         assert r.status_code == 200
-        pieces = [p["choices"][0]["text"] for p in sse_payloads(r)]
-    assert len(pieces) > 1
-    assert "".join(pieces) == whole
+        pages[r.headers[REPLICA_HEADER]] = _metrics(r.text)
+        return len(pages) == 2
+
+    _wait_for(both, 60, "/metrics of both replicas", every=0.1)
+    for replica, m in pages.items():
+        drafts = m.get("vllm:spec_decode_num_drafts_total", 0)
+        tokens = m.get("vllm:spec_decode_num_draft_tokens_total", 0)
+        assert drafts > 0, (replica, sorted(k for k in m if "spec_decode" in k))
+        assert drafts <= tokens <= 15 * drafts, (replica, drafts, tokens)
+        assert m.get("vllm:request_success_total", 0) >= 4, replica
 
 
-def test_health_and_models(server):
+def test_killed_replica_others_keep_answering(cluster, reference):
+    """Four clients send long greedy requests (half of them streamed) while one replica
+    is killed. Every answer that arrives is whole and equals `vllm serve`'s; requests
+    lost with the killed replica fail visibly (an error status, a broken connection or
+    a stream without [DONE]); the surviving replica answers every request that starts
+    after the kill, each exactly once (its engine finished as many requests as it
+    answered); Serve starts a replacement, which answers like the others."""
     import httpx
+    import ray
 
-    assert httpx.get(server + "/health", timeout=30).status_code == 200
-    models = httpx.get(server + "/v1/models", timeout=30).json()
-    assert [m["id"] for m in models["data"]] == ["tiny"]
+    GRACE = 3.0  # s
+    ref = reference["long"]
+    first_text, victim = _post(cluster.base, "long")
+    assert first_text == ref
+    results: list[dict] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def client(i: int):
+        n = 0
+        while not stop.is_set():
+            n += 1
+            streamed = (i + n) % 2 == 0
+            started = time.time()
+            rec = {"started": started, "streamed": streamed}
+            try:
+                if streamed:
+                    text, replica, complete = _stream(cluster.base, "long", timeout=120)
+                    rec.update(text=text, replica=replica, complete=complete, ok=complete)
+                else:
+                    route, body = REQUESTS["long"]
+                    r = httpx.post(cluster.base + route, json=body, timeout=120)
+                    rec.update(status=r.status_code, replica=r.headers.get(REPLICA_HEADER),
+                               ok=r.status_code == 200)
+                    if r.status_code == 200:
+                        rec["text"] = _answer(route, r.json())
+            except (httpx.HTTPError, AssertionError) as e:
+                rec.update(ok=False, error=repr(e))
+            rec["ended"] = time.time()
+            with lock:
+                results.append(rec)
+
+    def survivor_successes() -> float:
+        # vLLM's finished-request counter of the replica that answers /metrics
+        for _ in range(200):
+            r = httpx.get(cluster.base + "/metrics", timeout=30)
+            if r.headers[REPLICA_HEADER] != victim:
+                return r.headers[REPLICA_HEADER], _metrics(r.text).get(
+                    "vllm:request_success_total", 0)
+        raise AssertionError("no /metrics answer from the surviving replica")
+
+    survivor, before = survivor_successes()
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+    # Kill the victim once the clients are running (each has a request in flight all
+    # the time, about half of them on the victim).
+    time.sleep(2)
+    killed_at = time.time()
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#DSpine#{victim}", namespace="serve"),
+             no_restart=True)
+    time.sleep(10)
+    stop.set()
+    for t in threads:
+        t.join(timeout=150)
+    assert not any(t.is_alive() for t in threads)
+    survivor_again, after = survivor_successes()
+    assert survivor_again == survivor
+
+    ok = [r for r in results if r["ok"]]
+    failed = [r for r in results if not r["ok"]]
+    summary = [(round(r["started"] - killed_at, 1), r["ok"], r.get("replica"),
+                r.get("status"), r.get("error", "")[:80]) for r in results]
+    print("requests (start - kill s, ok, replica, status, error):", *summary, sep="\n  ")
+    # Whole answers only: every success is exactly vllm serve's answer.
+    for r in ok:
+        assert r["text"] == ref, r
+    # Every request that started after the kill was answered, by the survivor (or by
+    # the replacement, should it be up already), never by the victim. (Serve's router
+    # retries a request that a dead replica did not accept; GRACE covers requests that
+    # reached the victim while ray.kill was still taking effect.)
+    after_kill = [r for r in results if r["started"] > killed_at + GRACE]
+    assert after_kill and all(r["ok"] and r["replica"] != victim for r in after_kill), \
+        summary
+    # Failures: only requests that were in flight when the victim died.
+    assert all(r["started"] <= killed_at + GRACE for r in failed), summary
+    assert all(r.get("replica") in (None, victim) for r in failed), summary
+    assert len(failed) <= 4, summary
+    # Exactly once: the survivor's engine finished as many requests as it answered.
+    answered_by_survivor = sum(1 for r in ok if r["replica"] == survivor)
+    assert after - before == answered_by_survivor, (after, before, summary)
+
+    # Serve replaces the dead replica: two running again, a new one among them.
+    _wait_for(lambda: cluster.running_replicas() == 2, 400, "a replacement replica")
+    replicas = set()
+
+    def new_one():
+        text, replica = _post(cluster.base, "completion")
+        assert text == reference["completion"], (replica, text)
+        replicas.add(replica)
+        return replicas - {survivor, victim}
+
+    _wait_for(new_one, 120, "an answer from the replacement", every=0)
 
 
+def test_replica_without_plugin_fails_the_deployment(cluster, pair, monkeypatch):
+    """VLLM_PLUGINS without 'dspine' in the replicas' environment: vLLM would not load
+    the plugin, so the replica refuses to start and the deployment fails with the
+    reason (Serve tries the constructor 3 times per replica)."""
+    from ray import serve
+
+    from vllm_dspine.serving.ray_serve import build_app
+
+    monkeypatch.setenv("VLLM_PLUGINS", "some_other_plugin")
+    app = build_app(pair.target_dir, pair.draft_dir, serve_args=SERVE_ARGS,
+                    ray_actor_options={"num_cpus": 0})
+    monkeypatch.delenv("VLLM_PLUGINS")
+    try:
+        with pytest.raises(RuntimeError):
+            serve.run(app, name="noplugin", route_prefix="/noplugin")
+        message = serve.status().applications["noplugin"].deployments["DSpine"].message
+        assert "PluginNotInstalledError" in message and "VLLM_PLUGINS" in message, message
+    finally:
+        serve.delete("noplugin")
+
+
+def test_shutdown_leaves_no_process_and_no_port(cluster):
+    import psutil
+
+    procs = _marked_processes(cluster.marker)
+    names = sorted({" ".join(p.cmdline())[:60] for p in procs})
+    assert len(procs) >= 6, names  # gcs, raylet, controller, proxy, 2 replicas, ...
+    ports = {cluster.port}
+    for p in procs:
+        try:
+            ports |= {c.laddr.port for c in p.net_connections(kind="inet")
+                      if c.status == psutil.CONN_LISTEN}
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    cluster.stop()
+
+    def gone():
+        return not _marked_processes(cluster.marker)
+
+    try:
+        _wait_for(gone, 60, "the cluster's processes to exit")
+    except AssertionError:
+        left = [(p.pid, " ".join(p.cmdline())[:100]) for p in _marked_processes(cluster.marker)]
+        raise AssertionError(f"processes left after shutdown: {left}") from None
+    listening = {c.laddr.port for c in psutil.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN}
+    assert not (ports & listening), sorted(ports & listening)
+
+
+# --------------------------------------------------- no cluster: checks in the caller
 @pytest.mark.parametrize("kwargs, words", [
     pytest.param(dict(draft="/nonexistent-draft"), "config.json", id="no-draft-folder"),
-    pytest.param(dict(engine_kwargs={"speculative_config": {"method": "dflash"}}),
-                 "method", id="method-override"),
-    pytest.param(dict(num_replicas=0), "num_replicas", id="zero-replicas"),
-    pytest.param(dict(engine_kwargs={"dtyp": "float32"}), "dtyp", id="unknown-engine-arg"),
-    pytest.param(dict(engine_kwargs={"model": "x"}), "target", id="model-in-engine-kwargs"),
-    pytest.param(dict(engine_kwargs={"speculative_config": {"num_speculative_tokens": 7}}),
+    pytest.param(dict(speculative_config={"method": "dflash"}), "method",
+                 id="method-override"),
+    pytest.param(dict(speculative_config={"num_speculative_tokens": 7}),
                  "num_speculative_tokens", id="spec-tokens-override"),
+    pytest.param(dict(num_replicas=0), "num_replicas", id="zero-replicas"),
+    pytest.param(dict(serve_args=["--port", "8001"]), "--port", id="port-flag"),
+    pytest.param(dict(serve_args=["--host=0.0.0.0"]), "--host", id="host-flag"),
+    pytest.param(dict(serve_args=["--api-server-count", "2"]), "--api-server-count",
+                 id="api-server-count"),
+    pytest.param(dict(serve_args=["--speculative-config", "{}"]), "speculative",
+                 id="speculative-config-flag"),
+    pytest.param(dict(serve_args=["--no-such-flag", "1"]), "no-such-flag", id="unknown-flag"),
+    pytest.param(dict(serve_args="--dtype float32"), "list of strings", id="args-string"),
+    pytest.param(dict(serve_args=["--enable-auto-tool-choice"]), "tool-call-parser",
+                 id="vllm-serve-check"),
+    pytest.param(dict(deployment_options={"num_replicas": 3}), "num_replicas",
+                 id="num-replicas-in-options"),
 ])
 def test_build_app_refuses_bad_arguments(tmp_path, kwargs, words):
-    # Refused in the caller, before any replica starts (no Ray needed).
     engine_env()
     from vllm_dspine.config import RELEASED_QWEN38_27B
     from vllm_dspine.serving.ray_serve import build_app
@@ -170,3 +498,44 @@ def test_build_app_refuses_bad_arguments(tmp_path, kwargs, words):
     args = {"target": "some/target", "draft": str(draft), **kwargs}
     with pytest.raises(ValueError, match=words):
         build_app(args.pop("target"), args.pop("draft"), **args)
+
+
+_WITHOUT_PACKAGE = r"""
+import asyncio, importlib.metadata as md, sys
+
+class Hide:  # this Python "lacks" vllm-dspine: no module, no entry point
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "vllm_dspine":
+            raise ModuleNotFoundError(f"No module named {name!r}")
+
+sys.meta_path.insert(0, Hide())
+_entry_points = md.entry_points
+md.entry_points = lambda **kw: [e for e in _entry_points(**kw)
+                                if not e.value.startswith("vllm_dspine")]
+from ray import cloudpickle
+
+cls = cloudpickle.loads(sys.stdin.buffer.read())
+replica = cls.__new__(cls)
+try:
+    asyncio.run(cls.__init__(replica, "t", [], {}, {}, "0.1.0"))
+except Exception as e:
+    print(type(e).__name__, e)
+"""
+
+
+def test_worker_without_the_package_says_so():
+    """The replica class travels by value: a Ray worker whose Python lacks vllm-dspine
+    unpickles it and fails with PluginNotInstalledError naming the fix, not with a
+    ModuleNotFoundError from the unpickler."""
+    from ray import cloudpickle
+    from ray import serve
+
+    from vllm_dspine.serving import ray_serve
+
+    ray_serve._ship_by_value()
+    payload = cloudpickle.dumps(serve.ingress()(ray_serve.DSpineReplica))
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_PACKAGE], input=payload,
+                         capture_output=True, timeout=120)
+    text = out.stdout.decode()
+    assert text.startswith("PluginNotInstalledError"), (text, out.stderr.decode()[-2000:])
+    assert "vllm-dspine is not installed" in text and "entry point" in text, text

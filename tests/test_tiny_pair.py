@@ -113,10 +113,3 @@ def test_pairs_cli_tiny_writes_then_reuses(tmp_path, capsys):
     # Other arguments are another pair: made anew, not reused.
     assert main(["tiny", "--out", str(out), "--steps", "3", "--log-every", "0"]) == 0
     assert "reused" not in capsys.readouterr().out
-
-
-def test_pairs_cli_hybrid_refused_with_message(tmp_path, capsys):
-    from vllm_dspine.pairs.__main__ import main
-
-    assert main(["hybrid", "--out", str(tmp_path)]) == 2
-    assert "hybrid" in capsys.readouterr().err

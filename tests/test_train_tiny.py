@@ -120,8 +120,14 @@ def test_short_run_learns(trained):
     # a clear bite out of the held-out loss; noise between batches is far smaller.
     assert after["eval_loss"] < before["eval_loss"] - 1.0, (before, after)
     assert stats["loss_last10"] < stats["loss_first"]
-    assert after["acceptance_argmax"] >= before["acceptance_argmax"]
-    assert 0 <= after["acceptance_tail"] <= 15
+    # Accepted drafts per block (of 15), measured with seed 3: argmax 0.03 -> 1.72, tail
+    # 2.29 after. The run is bit-for-bit deterministic, so these margins only move when
+    # the trainer changes; a drafter that learnt nothing stays near 0.03, and a tail that
+    # walked the wrong predecessors (or read the wrong candidates) would fall below the
+    # per-row argmax it refines.
+    assert before["acceptance_argmax"] < 0.2
+    assert after["acceptance_argmax"] >= 1.0, after
+    assert after["acceptance_tail"] >= after["acceptance_argmax"], after
 
 
 def test_checkpoint_round_trip(pair, trained, tmp_path):

@@ -312,21 +312,59 @@ def test_all_minus_inf_row_and_tiny_probs_give_valid_tokens():
         assert out[0, 1] == -1  # the NaN row never accepts
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.5], ids=["nan", "inf", "neg"])
+def test_invalid_q_row_is_verified_as_q_zero(bad):
+    """A q row with a NaN/inf/negative entry (a drafter whose weights overflow) must
+    not bias the output: its draft is never accepted and the token follows p over the
+    whole vocabulary, its 16 candidates included. (Treating the NaN residual of the
+    candidates as 0 would never emit them: here they hold ~80 % of p.) 20,000
+    one-draft requests, chi-square p-value > 1e-3; the valid rows of the same batch
+    still accept their drafts."""
+    vocab_size, n = 40, 20_000
+    g = torch.Generator().manual_seed(5)
+    p = (torch.randn(vocab_size, generator=g) * 1.5).softmax(-1)
+    ids = p.topk(16).indices[None].repeat(2 * n, 1)  # [2n, 16] the likeliest 16
+    probs = p[ids[0]] / p[ids[0]].sum()
+    probs = probs[None].repeat(2 * n, 1)
+    probs[:n, 3] = bad  # first half: invalid q rows
+    drafts = ids[:, 0].clone()
+    nd = [1] * (2 * n)
+    out = sparse_rejection_sample(
+        drafts, nd, 1, torch.tensor(nd).cumsum(0).to(torch.int32), ids, probs,
+        p[None].repeat(2 * n, 1), torch.zeros(2 * n, 1, dtype=torch.long), None, None,
+        torch.rand(2 * n, dtype=torch.float64, generator=g),
+        torch.empty(2 * n, vocab_size).exponential_(generator=g).reciprocal())
+    assert bool((out[:n, 1] == -1).all())  # never accepted: no bonus after it
+    assert _chi2_pvalue(out[:n, 0], p) > 1e-3
+    assert int((out[n:, 1] >= 0).sum()) > n // 2  # valid rows accept (q ~ p)
+
+
 def test_vanished_residual_falls_back_to_p():
-    """p <= q everywhere (p = q except a smaller p at the draft) and a rejection:
-    the residual is 0 everywhere, so the token is drawn from p (vLLM would emit id
-    0, which p excludes here)."""
+    """A p that occurs: p = q up to float32 rounding (one ulp lower at the draft, so
+    p sums to 1 within 1e-7, as a float32 softmax does) and a uniform above the ratio
+    p/q = 1 - 6e-8: the draft is rejected and [p - q]_+ is 0 everywhere, so the token
+    is drawn from p (vLLM would emit id 0, which p excludes here). Over 3,000 seeds the
+    draws follow p (chi-square, p-value > 1e-3)."""
     vocab_size = 30
     ids = torch.tensor([[4, 9, 17, -1]])
     probs = torch.tensor([[0.5, 0.3, 0.2, 0.0]])
     target_probs = torch.zeros(1, vocab_size)
-    target_probs[0, 4], target_probs[0, 9], target_probs[0, 17] = 0.25, 0.3, 0.2
-    seen = set()
-    for seed in range(100):
-        out = _single([4], target_probs, ids, probs, uniform=0.9, seed=seed)
-        assert out[0, 1] == -1
-        seen.add(int(out[0, 0]))
-    assert seen <= {4, 9, 17} and len(seen) == 3
+    target_probs[0, 4] = torch.nextafter(torch.tensor(0.5), torch.tensor(0.0))
+    target_probs[0, 9], target_probs[0, 17] = 0.3, 0.2
+    assert abs(float(target_probs.double().sum()) - 1.0) < 1e-7
+    q_dense = torch.zeros(1, vocab_size).index_put_((torch.zeros(3, dtype=torch.long),
+                                                     ids[0, :3]), probs[0, :3])
+    assert bool((target_probs - q_dense <= 0).all())  # the residual vanishes
+    ratio = float(target_probs[0, 4] / probs[0, 0])
+    uniform = (ratio + 1.0) / 2  # above the ratio, below 1
+    assert ratio < uniform < 1.0
+    tokens = []
+    for seed in range(3000):
+        out = _single([4], target_probs, ids, probs, uniform=uniform, seed=seed)
+        assert out[0, 1] == -1  # rejected: no bonus after the one draft
+        tokens.append(int(out[0, 0]))
+    assert set(tokens) == {4, 9, 17}
+    assert _chi2_pvalue(torch.tensor(tokens), target_probs[0]) > 1e-3
 
 
 def test_bad_input_raises_value_error():

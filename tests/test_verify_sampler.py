@@ -246,3 +246,94 @@ def test_sparse_draft_probs_from_padded():
     assert q.num_tokens == 5 and q.topk == 4
     assert torch.equal(q.cand_ids, torch.cat([ids[0, :2], ids[1]]))
     assert torch.equal(q.cand_probs, torch.cat([probs[0, :2], probs[1]]))
+
+
+# ------------------------------------------------- a request without cached sparse q
+def _fake_runner(cached: dict[str, tuple[torch.Tensor, torch.Tensor]], order, batch):
+    """What DSpineRejectionSampler reads of vLLM's GPUModelRunner: the q cache of the
+    drafting step (`_draft_probs` [num_cached, K, 2k] in `order`) and this step's
+    batch order."""
+    from types import SimpleNamespace
+
+    from vllm_dspine.proposer.sparse_q import pack_sparse_q
+
+    packed = torch.stack([pack_sparse_q(*cached[r]) for r in order])  # [n, K, 2k]
+    return SimpleNamespace(_draft_probs=packed, _draft_prob_req_ids=list(order),
+                           input_batch=SimpleNamespace(req_ids=list(batch)))
+
+
+def test_missing_q_drops_only_that_requests_drafts():
+    """vLLM hands the verifier no q at all when one request of the step has none
+    cached. Only that request ("b") may lose its drafts: "a" and "c" must be verified
+    with their own q (same tokens as SparseRejectionSampler given the q directly, with
+    b's rows at q = 0), and b never accepts. Under the old behaviour (all q = 0) a and
+    c would accept nothing; here they accept 18 and 10 of 36 drafts (seed 21)."""
+    from vllm_dspine.proposer.sparse_q import (DSpineRejectionSampler,
+                                               gather_sparse_q_per_request)
+
+    num_draft_tokens = [6, 6, 6]
+    vocab_size, K = 64, 8
+    logits, meta, drafts, q = _batch(num_draft_tokens, vocab_size, seed=21)
+    rows = {"a": slice(0, 6), "b": slice(6, 12), "c": slice(12, 18)}
+
+    def padded(r):  # [K, 16]: the drafting step kept K rows per request
+        ids = torch.full((K, 16), -1, dtype=torch.long)
+        probs = torch.zeros(K, 16)
+        ids[:6], probs[:6] = q.cand_ids[rows[r]], q.cand_probs[rows[r]]
+        return ids, probs
+
+    # Cached in another order than this step's batch, and without "b".
+    runner = _fake_runner({"a": padded("a"), "c": padded("c")}, ["c", "a"], ["a", "b", "c"])
+    ids_b0, probs_b0 = q.cand_ids.clone(), q.cand_probs.clone()
+    ids_b0[rows["b"]], probs_b0[rows["b"]] = -1, 0.0
+
+    got_ids, got_probs, missing = gather_sparse_q_per_request(
+        runner._draft_probs, runner._draft_prob_req_ids, runner.input_batch.req_ids,
+        num_draft_tokens, torch.device("cpu"))
+    assert missing == ["b"]
+    assert torch.equal(got_ids, ids_b0) and torch.equal(got_probs, probs_b0)
+
+    ours = DSpineRejectionSampler(Sampler(), runner=runner)
+    accepted = {"a": 0, "b": 0, "c": 0}
+    for trial in range(6):
+        outs = []
+        for call in (lambda sm: ours(meta, None, logits.clone(), sm),
+                     lambda sm: SparseRejectionSampler(Sampler())(
+                         meta, ids_b0, probs_b0, logits.clone(), sm)):
+            torch.manual_seed(trial)
+            gens = {i: torch.Generator().manual_seed(100 * trial + i) for i in range(3)}
+            outs.append(call(_sampling_metadata([1.0, 1.0, 1.0], vocab_size, gens,
+                                                drafts=drafts)).sampled_token_ids)
+        assert torch.equal(outs[0], outs[1]), trial
+        for i, r in enumerate("abc"):
+            accepted[r] += int((outs[0][i] >= 0).sum()) - 1
+    assert accepted["b"] == 0
+    assert accepted["a"] >= 6 and accepted["c"] >= 6, accepted
+
+
+def test_missing_q_without_runner_or_cache_gives_q_zero():
+    """No runner (or nothing cached): every draft is verified with q = 0, so nothing
+    is accepted and each request emits one token; given q of the right length, the
+    runner is not consulted."""
+    from types import SimpleNamespace
+
+    from vllm_dspine.proposer.sparse_q import DSpineRejectionSampler, pack_sparse_q
+
+    num_draft_tokens = [4, 5]
+    logits, meta, drafts, q = _batch(num_draft_tokens, 64, seed=22)
+    empty = SimpleNamespace(_draft_probs=None, _draft_prob_req_ids=None,
+                            input_batch=SimpleNamespace(req_ids=["a", "b"]))
+    for sampler in (DSpineRejectionSampler(Sampler()),
+                    DSpineRejectionSampler(Sampler(), runner=empty)):
+        out = sampler(meta, None, logits.clone(),
+                      _sampling_metadata([1.0, 0.7], 64, {}, drafts=drafts))
+        assert torch.equal((out.sampled_token_ids >= 0).sum(dim=1), torch.tensor([1, 1]))
+    packed = pack_sparse_q(q.cand_ids, q.cand_probs)  # [9, 32]: the runner's gather
+    torch.manual_seed(5)
+    a = DSpineRejectionSampler(Sampler(), runner=empty)(
+        meta, packed, logits.clone(), _sampling_metadata([1.0, 0.7], 64, {}, drafts=drafts))
+    torch.manual_seed(5)
+    b = SparseRejectionSampler(Sampler())(
+        meta, q.cand_ids, q.cand_probs, logits.clone(),
+        _sampling_metadata([1.0, 0.7], 64, {}, drafts=drafts))
+    assert torch.equal(a.sampled_token_ids, b.sampled_token_ids)

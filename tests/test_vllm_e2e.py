@@ -2,8 +2,12 @@
 
 Engines are expensive (~25 s to start on 2 cores), so this module starts two and shares
 them: a plain engine and a DSpine engine over the same target. The DSpine engine dumps
-each drafting step (VLLM_DSPINE_DEBUG_DUMP) so the vLLM model class can be checked
-against the plain-PyTorch reference drafter.
+each drafting step (VLLM_DSPINE_DEBUG_DUMP) so the vLLM model class, its candidates,
+greedy drafts and retained sampled q can be checked against the plain-PyTorch reference
+drafter + tail, and vLLM's spec-decode counters against the dumped drafts. It verifies
+every draft (`dspine_verify: fixed`), so each dumped block is what was verified; the
+dynamic policy has its own engine tests (tests/test_dynamic_engine.py). The sampled
+distribution is tested against the target's exact one in tests/test_exact_distribution.py.
 """
 
 from __future__ import annotations
@@ -46,7 +50,14 @@ def spec_llm(pair, dump_dir, plain_llm):
     # Built after plain_llm on purpose: an LLM's Prometheus logger unregisters the
     # metrics of engines built before it in the same process, and the tests read the
     # DSpine engine's spec-decode counters.
-    return make_llm(pair.target_dir, dspine_spec(pair.draft_dir))
+    return make_llm(pair.target_dir, dspine_spec(pair.draft_dir, dspine_verify="fixed"))
+
+
+@pytest.fixture(scope="module")
+def target(pair):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(pair.target_dir, dtype=torch.float32).eval()
 
 
 def _clear(dump_dir):
@@ -79,27 +90,70 @@ def test_greedy_identical_to_plain_decoding(plain_llm, spec_llm, dump_dir):
     assert [list(a) for a in again] == [list(b) for b in plain]
 
 
-def test_spec_decode_metrics_counted(spec_llm):
-    """vLLM's own counters see the drafts and the accepted ones, per position."""
+def _dumps(dump_dir) -> list[dict]:
+    return [torch.load(f) for f in sorted(glob.glob(os.path.join(dump_dir, "*.pt")))]
+
+
+def _leading_matches(draft: list[int], truth: list[int]) -> int:
+    n = 0
+    for d, t in zip(draft, truth):
+        if d != t:
+            break
+        n += 1
+    return n
+
+
+def test_spec_decode_counters_match_the_drafts(plain_llm, spec_llm, dump_dir):
+    """vLLM's counters against what they must be, computed independently: one greedy
+    request; every dumped block whose anchor is not the request's last token was
+    verified (all 15 drafts: fixed verification), and its accepted length is the number
+    of leading drafts equal to plain greedy decoding's continuation (generated 16
+    tokens longer, so the last block's truth is known past max_tokens)."""
     from vllm import SamplingParams
 
-    # Prompts the planted habit continues ("abcd" -> "efgh..."): some drafts accepted.
-    spec_llm.generate(["abcdefgh", "klmnopq", "0123456"],
-                      SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
-    m = spec_metrics(spec_llm)
-    assert m["vllm:spec_decode_num_draft_tokens"] > 0
-    assert m["vllm:spec_decode_num_accepted_tokens"] > 0, m
-    per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
-    assert len(per_pos) == 15 and sum(per_pos) == m["vllm:spec_decode_num_accepted_tokens"]
+    prompt, n = "abcdefgh", 64
+    greedy = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    _clear(dump_dir)
+    before = spec_metrics(spec_llm)
+    out = spec_llm.generate([prompt], greedy)[0]
+    after = spec_metrics(spec_llm)
+    longer = SamplingParams(temperature=0.0, max_tokens=n + 16, ignore_eos=True)
+    truth = plain_llm.generate([prompt], longer)[0]
+    seq = list(truth.prompt_token_ids) + list(truth.outputs[0].token_ids)
+    assert list(out.outputs[0].token_ids) == seq[len(out.prompt_token_ids):][:n]
+    last = len(out.prompt_token_ids) + n - 1  # position of the last generated token
+    per_pos, drafts = [0] * 15, 0
+    for step in _dumps(dump_dir):
+        assert len(step["req_ids"]) == 1
+        p = int(step["anchor_positions"][0])
+        if p >= last:  # drafted in the finishing step: never verified
+            continue
+        assert int(step["anchor_ids"][0]) == seq[p]
+        a = _leading_matches(step["draft_token_ids"][0].tolist(), seq[p + 1:p + 16])
+        drafts += 1
+        for j in range(a):
+            per_pos[j] += 1
+
+    def delta(name):
+        b = before.get(name) or (0 if not isinstance(after[name], list) else [0] * 15)
+        if isinstance(after[name], list):
+            return [x - y for x, y in zip(after[name], b)]
+        return after[name] - b
+
+    assert sum(per_pos) > 10, "too few drafts accepted for a meaningful check"
+    assert delta("vllm:spec_decode_num_drafts") == drafts
+    assert delta("vllm:spec_decode_num_draft_tokens") == 15 * drafts
+    assert delta("vllm:spec_decode_num_accepted_tokens_per_pos") == per_pos
+    assert delta("vllm:spec_decode_num_accepted_tokens") == sum(per_pos)
+    # Every step emitted its accepted drafts plus one token: the output length follows.
+    assert n <= 1 + drafts + sum(per_pos) <= n + 15
 
 
-def test_mixed_batch_greedy_exact_and_seeds_reproduce(plain_llm, spec_llm):
-    """Greedy and sampled requests with different temperature/top-p/top-k/min-p/seed in
-    one batch: the greedy ones equal plain greedy decoding, the seeded sampled ones give
-    the same tokens when run again."""
+def _mixed_params():
+    """16 requests: every 4th greedy, the others sampled with different temperature,
+    top-p, top-k, min-p and seed."""
     from vllm import SamplingParams
 
-    prompts = prompts_of_lengths(16)
     params = []
     for i in range(16):
         if i % 4 == 0:
@@ -109,73 +163,180 @@ def test_mixed_batch_greedy_exact_and_seeds_reproduce(plain_llm, spec_llm):
                 temperature=[0.5, 1.0, 1.5][i % 3], top_p=[1.0, 0.9, 0.7][i % 3],
                 top_k=[-1, 50, 5][(i // 3) % 3], min_p=[0.0, 0.05][i % 2],
                 seed=1000 + i, max_tokens=32, ignore_eos=True))
-    first = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params)]
-    again = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params)]
+    return params
+
+
+@pytest.fixture(scope="module")
+def mixed_run(spec_llm, dump_dir):
+    """The mixed batch run twice on the DSpine engine; the first run's drafting steps
+    are kept (dump files loaded)."""
+    prompts = prompts_of_lengths(16)
+    params = _mixed_params()
+    _clear(dump_dir)
+    first = spec_llm.generate(prompts, params)
+    steps = _dumps(dump_dir)
+    again = spec_llm.generate(prompts, params)
+    return prompts, params, first, again, steps
+
+
+def _builtin_processors_built() -> bool:
+    """Whether the plugin makes vLLM build its MinP/LogitBias processors under
+    speculative decoding (without it min_p is silently ignored; see
+    tests/test_exact_distribution.py)."""
+    import vllm.v1.worker.gpu_model_runner as gmr
+
+    return bool(getattr(gmr.build_logitsprocs, "_dspine_patched", False))
+
+
+def test_mixed_batch_greedy_exact_and_seeds_reproduce(plain_llm, mixed_run):
+    """Greedy and sampled requests with different temperature/top-p/top-k/min-p/seed in
+    one batch: the greedy ones equal plain greedy decoding, the seeded sampled ones give
+    the same tokens when run again."""
+    from vllm import SamplingParams
+
+    prompts, params, first, again, _ = mixed_run
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts[::4], greedy)]
     for j, i in enumerate(range(0, 16, 4)):
-        assert list(first[i]) == list(plain[j]), f"greedy request {i} differs in a mixed batch"
+        assert list(first[i].outputs[0].token_ids) == list(plain[j]), \
+            f"greedy request {i} differs in a mixed batch"
     for i in range(16):
-        assert list(first[i]) == list(again[i]), f"seeded request {i} did not reproduce"
-        assert len(first[i]) == 32
+        assert list(first[i].outputs[0].token_ids) == list(again[i].outputs[0].token_ids), \
+            f"seeded request {i} did not reproduce"
 
 
-def _two_sample_chi2_pvalue(a: list[int], b: list[int], min_count: int = 10) -> float:
-    """Chi-square test that two samples of token ids come from one distribution; tokens
-    seen fewer than `min_count` times in both samples together share one bin."""
-    from collections import Counter
+def _allowed(logits: torch.Tensor, params, slack: float = 1e-4) -> torch.Tensor:
+    """Tokens a request's filters may emit, computed in float64 in vLLM's order
+    (temperature, min-p, top-k, top-p), every threshold relaxed by `slack` so that
+    float32 rounding on the engine side cannot put a legal token outside.
+    logits [T, V] -> bool [T, V]."""
+    x = logits.double() / params.temperature
+    keep = torch.ones_like(x, dtype=torch.bool)
+    if params.min_p > 0:
+        probs = x.softmax(-1)
+        keep &= probs >= params.min_p * probs.amax(-1, keepdim=True) * (1 - slack)
+    if params.top_k > 0:
+        masked = torch.where(keep, x, float("-inf"))
+        kth = masked.topk(params.top_k, dim=-1).values[:, -1:]
+        keep &= masked >= kth - slack
+    if params.top_p < 1:
+        probs = torch.where(keep, x, float("-inf")).softmax(-1)
+        sorted_p, order = probs.sort(-1)
+        drop = sorted_p.cumsum(-1) <= 1 - params.top_p - slack
+        drop[:, -1] = False
+        keep &= ~torch.zeros_like(drop).scatter(1, order, drop)
+    return keep
 
-    from scipy.stats import chi2_contingency
 
-    ca, cb = Counter(a), Counter(b)
-    common = [t for t in set(ca) | set(cb) if ca[t] + cb[t] >= min_count]
-    rest_a = len(a) - sum(ca[t] for t in common)
-    rest_b = len(b) - sum(cb[t] for t in common)
-    table = [[ca[t] for t in common] + [rest_a], [cb[t] for t in common] + [rest_b]]
-    if rest_a + rest_b == 0:
-        table = [row[:-1] for row in table]
-    return chi2_contingency(table)[1]
+def test_sampled_tokens_stay_in_their_filtered_support(target, mixed_run):
+    """Every token a sampled request emitted is one its own top-k/top-p/min-p allow at
+    that position (target logits recomputed in transformers): the per-request filters
+    reach the verifier through batch reordering. (min_p needs vLLM's MinP processor,
+    see `_builtin_processors_built`.)"""
+    _, params, first, _, _ = mixed_run
+    cut = 0
+    for i, (o, sp) in enumerate(zip(first, params)):
+        if sp.temperature == 0:
+            continue
+        prompt, gen = list(o.prompt_token_ids), list(o.outputs[0].token_ids)
+        with torch.no_grad():
+            logits = target(torch.tensor([prompt + gen])).logits[0]  # [T, V]
+        rows = logits[len(prompt) - 1: len(prompt) - 1 + len(gen)]
+        keep = _allowed(rows, sp)
+        cut += int((~keep).sum())
+        bad = [j for j, t in enumerate(gen) if not keep[j, t]]
+        if bad and sp.min_p > 0 and not _builtin_processors_built():
+            pytest.xfail(f"request {i}: min_p={sp.min_p} ignored under speculative "
+                         f"decoding (vLLM builds no MinP processor; fix in patches.py)")
+        assert not bad, f"request {i} ({sp}): tokens at {bad} are outside its filters"
+    assert cut > 1000, "the filters cut nothing: the check would not see a leak"
 
 
-def test_sampled_distribution_matches_plain(plain_llm, spec_llm):
-    """At temperature 0.5 the 2nd and 3rd generated tokens (the ones speculation
-    produces: verified drafts, corrections, bonus) are distributed as without
-    speculation: 4,000 seeded samples per engine, two-sample chi-square per position.
+def test_sampled_proposal_matches_reference(pair, target, mixed_run):
+    """The retained q of the mixed batch (what the verifier is handed) against the
+    reference drafter + tail: for up to 8 dumped blocks per request whose anchor is in
+    the request's output, `block_forward` on the committed text, the same 16 candidates,
+    the score tables by the direct formula (float64), and at each row the request's
+    own temperature/top-k/top-p/min-p applied to the table row of the predecessor the
+    engine drew: q equals the dumped cand_probs (to 1e-4; the engine scores through the
+    fp32 per-token tables), and each drawn draft has q > 0. Greedy members: the one-hot
+    at the reference argmax. This covers the per-request slicing of the sampling
+    parameters, the generators and the batch order (request ids of the dump)."""
+    from vllm_dspine.kernels.retrieval import retrieve_candidates
+    from vllm_dspine.kernels.tail import filter_candidate_probs, tail_score_tables
+    from vllm_dspine.model.checkpoint import bridge_weights, load_draft_checkpoint
+    from vllm_dspine.model.drafter import block_forward
 
-    Threshold: p > 1e-3 (seeds are fixed, so the outcome is deterministic; a correct
-    sampler would fail one comparison in a thousand before the seeds were fixed). With
-    4,000 samples this catches a distortion of a few percent in total variation on the
-    frequent tokens; the 1% level is checked on the verifier itself with 10^5 samples
-    (tests/test_verify_ref.py). The test also requires drafts to be accepted, so that
-    the acceptance path (not only corrections) is what is being compared."""
-    from vllm import SamplingParams
-
-    n, prompt = 4000, "abcdefg"
-
-    def sample(llm, seed0):
-        # T 0.5: the small target is too flat at T 1 for a good share of accepted
-        # drafts (docs/tiny-pair-training.md).
-        params = [SamplingParams(temperature=0.5, max_tokens=3, seed=seed0 + i,
-                                 ignore_eos=True) for i in range(n)]
-        return [list(o.outputs[0].token_ids) for o in llm.generate([prompt] * n, params)]
-
-    before = spec_metrics(spec_llm)
-    spec = sample(spec_llm, 10_000)
-    after = spec_metrics(spec_llm)
-    plain = sample(plain_llm, 50_000)
-
-    drafts = after["vllm:spec_decode_num_drafts"] - before.get("vllm:spec_decode_num_drafts", 0)
-    per_pos = [x - y for x, y in zip(
-        after["vllm:spec_decode_num_accepted_tokens_per_pos"],
-        before.get("vllm:spec_decode_num_accepted_tokens_per_pos") or [0] * 15)]
-    rate1, rate2 = per_pos[0] / drafts, per_pos[1] / drafts
-    print(f"sampled T=0.5: {drafts} verification steps; draft acceptance rate at "
-          f"position 1: {rate1:.3f}, position 2: {rate2:.3f}")
-    assert rate1 > 0.1, f"too few drafts accepted ({rate1:.3f}) for a meaningful test"
-    for pos in (1, 2):
-        p = _two_sample_chi2_pvalue([s[pos] for s in spec], [s[pos] for s in plain])
-        assert p > 1e-3, f"token {pos + 1}: speculative and plain distributions differ " \
-                         f"(chi-square p = {p:.2e})"
+    _, params, first, _, steps = mixed_run
+    by_id = {o.request_id: (list(o.prompt_token_ids) + list(o.outputs[0].token_ids), sp)
+             for o, sp in zip(first, params)}
+    cfg, tensors = load_draft_checkpoint(pair.draft_dir)
+    bridge = bridge_weights(cfg, tensors)
+    embed = target.model.embed_tokens.weight.detach()
+    head = target.lm_head.weight.detach()
+    K = cfg.num_proposals
+    # (step, row) entries per request, at most 8 per request (spread over its steps).
+    entries: dict[str, list[tuple[dict, int, int]]] = {}
+    for step in steps:
+        for r, req_id in enumerate(step["req_ids"]):
+            seq, _ = by_id[req_id.split("-")[0]]
+            p = int(step["anchor_positions"][r])
+            if p >= len(seq) - 1 or seq[p] != int(step["anchor_ids"][r]):
+                continue  # finishing step (never verified) or a discarded partial prefill
+            entries.setdefault(req_id, []).append((step, r, p))
+    checked = {"sampled": 0, "greedy": 0}
+    min_p_mismatch = []
+    for req_id, todo in entries.items():
+        todo = todo[:: max(1, len(todo) // 8)][:8]
+        seq, sp = by_id[req_id.split("-")[0]]
+        with torch.no_grad():
+            hs = target(torch.tensor([seq]), output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[i + 1][0] for i in cfg.target_layer_ids], -1)
+        anchors = torch.tensor([[p for _, _, p in todo]])  # [1, nb]
+        out = block_forward(cfg, tensors, embed, head, torch.tensor([seq]), feats[None],
+                            anchors)
+        nb = anchors.shape[1]
+        final = out.final_hidden[0]  # [nb, B, H]
+        cand = retrieve_candidates(final[:, 1:].reshape(nb * K, -1), head, cfg.head_topk,
+                                   cfg.coarse_topk, None, mode="bf16").view(nb, K, -1)
+        S = tail_score_tables(out.pre_write_state[0], out.last_codes[0], out.last_rms[0],
+                              cand, torch.tensor([seq[p] for _, _, p in todo]), bridge,
+                              tensors["norm.weight"], cfg.rms_norm_eps, head, None,
+                              torch.float64)  # [nb, K, k, k]
+        for b, (step, r, p) in enumerate(todo):
+            assert torch.equal(cand[b], step["cand_ids"][r].view(K, -1)), (req_id, p)
+            drafts = step["draft_token_ids"][r].view(-1).tolist()
+            got = step["cand_probs"][r].double()  # [K, k]
+            prev, matched = 0, True
+            for t in range(K):
+                row = S[b, t, prev]
+                if sp.temperature == 0:
+                    want = torch.nn.functional.one_hot(row.argmax(), row.numel()).double()
+                else:
+                    want = filter_candidate_probs(
+                        (row / sp.temperature)[None],
+                        torch.tensor([sp.top_k]), torch.tensor([sp.top_p]),
+                        torch.tensor([sp.min_p], dtype=torch.float64))[0]
+                j = cand[b, t].tolist().index(drafts[t])
+                if not torch.allclose(got[t], want, atol=1e-4, rtol=0):
+                    if sp.min_p > 0:
+                        min_p_mismatch.append((req_id, p, t))
+                        matched = False
+                        break
+                    raise AssertionError(f"{req_id} anchor {p} row {t + 1}: q "
+                                         f"{got[t].tolist()} != reference {want.tolist()}")
+                assert want[j] > 0, f"{req_id} anchor {p} row {t + 1}: draft has q = 0"
+                prev = j
+            if matched:
+                checked["greedy" if sp.temperature == 0 else "sampled"] += 1
+    assert checked["sampled"] >= 20 and checked["greedy"] >= 4, checked
+    if min_p_mismatch:
+        if not _builtin_processors_built():
+            pytest.xfail(f"{len(min_p_mismatch)} blocks of min_p requests drafted "
+                         f"without min-p (vLLM builds no MinP processor under speculative "
+                         f"decoding; fix in patches.py); {checked} blocks matched")
+        raise AssertionError(f"min_p requests' q differ from the reference: "
+                             f"{min_p_mismatch[:5]}")
 
 
 def _target_features(target_dir, layer_ids, token_ids):

@@ -3,7 +3,10 @@
 Counts payload bytes only: no allocator rounding, paging slack, CUDA graphs or the target's
 own state. The figures for the released Qwen3.8-27B drafter reproduce the article's:
 20,480 B of draft K/V per retained position, 160 MiB for an 8,192-position window, 2.5 GiB
-for 131,072 positions, a 485 MiB codebook and 727.5 MiB of greedy-tail tables.
+for 131,072 positions and a 485 MiB codebook. The greedy-tail tables are counted as the
+code allocates them: `TailTables.build` (what the proposer calls at load) builds them in
+fp32, 1,455 MiB at the released sizes, twice the article's 727.5 MiB of BF16 tables
+(`--tail-table-dtype-bytes 2` shows that figure).
 
     python -m vllm_dspine.model.memory --config DRAFT_DIR|released --max-context 131072 --concurrency 8
 """
@@ -11,15 +14,25 @@ for 131,072 positions, a 485 MiB codebook and 727.5 MiB of greedy-tail tables.
 from __future__ import annotations
 
 import argparse
+import inspect
 from dataclasses import dataclass, field
 
-from vllm_dspine.model.checkpoint import expected_tensor_shapes
+import torch
+
 from vllm_dspine.config import RELEASED_QWEN38_27B, DSpineConfig
+from vllm_dspine.kernels.tail import TailTables
+from vllm_dspine.model.checkpoint import expected_tensor_shapes
 
 MiB = 1 << 20
 GiB = 1 << 30
 FP32 = 4
+FP64 = 8
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+# The dtype `TailTables.build` allocates its per-token tables in when the caller does not
+# pass one (the proposer does not): read from the code, so the report follows it.
+TAIL_TABLE_DTYPE_BYTES = torch.empty(
+    (), dtype=inspect.signature(TailTables.build).parameters["dtype"].default).element_size()
 
 # Which draft K/V size counts in the totals. vLLM allocates draft K/V for the full context
 # unless the drafter's layers get a sliding-window KV spec, which our integration does not
@@ -102,7 +115,7 @@ def _block_workspace_bytes(cfg: DSpineConfig, act_bytes: int) -> tuple[int, str]
         "messages (fp32)": B * M * FP32,
         "full-vocab candidate scores (fp32)": P * V * FP32,
         "candidate ids + probs": P * K * (8 + FP32),
-        "16x16 tail tables (fp32)": P * K * K * FP32,
+        "16x16 tail tables (fp64 when sampling)": P * K * K * FP64,
         "refined states x'(u) (fp32)": P * K * H * FP32,
     }
     total = sum(parts.values())
@@ -112,11 +125,15 @@ def _block_workspace_bytes(cfg: DSpineConfig, act_bytes: int) -> tuple[int, str]
 
 def memory_report(cfg: DSpineConfig, *, max_context: int, max_concurrency: int,
                   kv_dtype_bytes: int = 2, weight_dtype_bytes: int = 2,
-                  fp8_head: bool = True, kv_allocation: str = "full") -> MemoryReport:
+                  fp8_head: bool = True, kv_allocation: str = "full",
+                  tail_table_dtype_bytes: int = TAIL_TABLE_DTYPE_BYTES) -> MemoryReport:
     """Resident bytes of the drafter for `max_concurrency` requests of up to `max_context`.
 
     kv_allocation: "full" (vLLM's allocation without a sliding-window KV spec; our
     integration today) or "window" (positions behind `sliding_window` reclaimed).
+    tail_table_dtype_bytes: element size of the per-token tail tables; the default is what
+    `TailTables.build` allocates without a dtype (fp32, what the proposer builds), not the
+    weight dtype.
     """
     if max_context <= 0 or max_concurrency <= 0:
         raise ValueError(f"memory_report: max_context and max_concurrency must be > 0, got "
@@ -127,6 +144,7 @@ def memory_report(cfg: DSpineConfig, *, max_context: int, max_concurrency: int,
     H, V, C, M = cfg.hidden_size, cfg.vocab_size, cfg.code_dim, cfg.message_dim
     L, D, nkv = cfg.num_hidden_layers, cfg.head_dim, cfg.num_key_value_heads
     wb = weight_dtype_bytes
+    tb = tail_table_dtype_bytes
 
     per_pos = 2 * L * nkv * D * kv_dtype_bytes  # K and V, every draft layer
     window = max_context if cfg.sliding_window is None else min(max_context,
@@ -149,11 +167,11 @@ def memory_report(cfg: DSpineConfig, *, max_context: int, max_concurrency: int,
         MemoryItem("bridge codebook", groups["codebook"] * wb, False, f"E [V, C] = [{V}, {C}]"),
         MemoryItem("bridge projections", groups["bridge"] * wb, False,
                    "read [C, H] and write [H, M] per layer; G, Gp, A [M, C]; b [M]"),
-        MemoryItem("greedy tail tables", V * 3 * M * wb, False,
+        MemoryItem("greedy tail tables", V * 3 * M * tb, False,
                    f"[V, 2M] (Gp E, A E stacked) + [V, M] ((head*g) W_L) = [{V}, {2 * M}] + "
-                   f"[{V}, {M}]"),
-        MemoryItem("greedy tail Gram matrix", M * M * FP32, False,
-                   f"W_L^T W_L [M, M] = [{M}, {M}] fp32"),
+                   f"[{V}, {M}] at {tb} B (TailTables.build)"),
+        MemoryItem("greedy tail Gram matrix", M * M * tb, False,
+                   f"W_L^T W_L [M, M] = [{M}, {M}] at {tb} B (TailTables.build)"),
     ]
     if fp8_head:
         items.append(MemoryItem("FP8 head copy + scales", V * H + V * FP32, False,
@@ -189,6 +207,85 @@ def format_report(report: MemoryReport) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------------
+# Hybrid GDN target state (docs/hybrid.md): one slot per request (the replay commit,
+# vllm_dspine/commit/) vs vLLM's speculative layout of 1 + K slots. The target's state,
+# not the drafter's: reported on its own, not part of `memory_report`'s totals.
+@dataclass(frozen=True)
+class GDNTargetDims:
+    """What sizes a hybrid target's GDN state (Qwen3.5 / Qwen3-Next text config names)."""
+    num_gdn_layers: int  # layers with layer_type "linear_attention"
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    state_dtype_bytes: int = 4  # recurrent state: mamba_ssm_dtype float32 in Qwen3.5 configs
+    conv_dtype_bytes: int = 2  # conv window: the model dtype (bf16)
+
+
+# Assumed Qwen3.8-27B dims: the public Qwen3.5-27B / Qwen3.6-27B text config (64 layers,
+# full_attention_interval 4 -> 48 GDN layers; 16 key / 48 value heads of 128; conv 4; fp32
+# state). The article gives no GDN sizes.
+QWEN38_27B_GDN = GDNTargetDims(num_gdn_layers=48, linear_num_key_heads=16,
+                               linear_num_value_heads=48, linear_key_head_dim=128,
+                               linear_value_head_dim=128, linear_conv_kernel_dim=4)
+
+
+@dataclass(frozen=True)
+class GDNStateMemory:
+    num_gdn_layers: int
+    num_spec: int  # K = num_speculative_tokens
+    conv_dim: int  # 2 H K + HV V
+    state_bytes: int  # one recurrent state [HV, V, K], one layer
+    speculative_page_bytes: int  # vLLM's page with spec: conv [D, W-1+K] + state
+    replay_page_bytes: int  # the replay's page: conv [D, W-1] + state
+    replay_inputs_bytes: int  # per layer: (K+1) x (mixed_qkv [D] + a, b [HV]), in flight
+
+    @property
+    def speculative_per_request(self) -> int:  # (1 + K) pages per GDN layer
+        return self.num_gdn_layers * (1 + self.num_spec) * self.speculative_page_bytes
+
+    @property
+    def replay_per_request(self) -> int:  # 1 page + the block's inputs per GDN layer
+        return self.num_gdn_layers * (self.replay_page_bytes + self.replay_inputs_bytes)
+
+
+def gdn_state_memory(dims: GDNTargetDims, num_spec: int = 15) -> GDNStateMemory:
+    """GDN state bytes per request: vLLM 0.32.0's speculative layout (`MambaSpec` with
+    `num_speculative_blocks = K`: 1 + K pages, each a conv window widened to W - 1 + K plus
+    a state, `gated_delta_net_state_shape(num_spec=K)`) vs the replay commit (one page of
+    W - 1 + state, plus the verified block's inputs kept from the verify forward to the
+    commit). Payload only: vLLM also pads a hybrid model's state page to the attention
+    page size."""
+    H, HV = dims.linear_num_key_heads, dims.linear_num_value_heads
+    K, V, W = dims.linear_key_head_dim, dims.linear_value_head_dim, dims.linear_conv_kernel_dim
+    D = 2 * H * K + HV * V
+    state = HV * V * K * dims.state_dtype_bytes
+    cb = dims.conv_dtype_bytes
+    return GDNStateMemory(
+        num_gdn_layers=dims.num_gdn_layers, num_spec=num_spec, conv_dim=D,
+        state_bytes=state, speculative_page_bytes=D * (W - 1 + num_spec) * cb + state,
+        replay_page_bytes=D * (W - 1) * cb + state,
+        replay_inputs_bytes=(num_spec + 1) * (D + 2 * HV) * cb)
+
+
+def format_gdn_state_memory(m: GDNStateMemory) -> str:
+    """A markdown table in MiB per request: 1 + K slots vs 1 slot."""
+    L, K = m.num_gdn_layers, m.num_spec
+    return "\n".join([
+        f"Target GDN state per request, {L} GDN layers, K = {K} speculative tokens",
+        "",
+        "| layout | per layer | MiB per request |",
+        "| --- | --- | ---: |",
+        f"| vLLM speculative: 1 + K = {1 + K} slots | {1 + K} x {m.speculative_page_bytes:,} B "
+        f"| {m.speculative_per_request / MiB:,.1f} |",
+        f"| replay commit: 1 slot + block inputs | {m.replay_page_bytes:,} B + "
+        f"{m.replay_inputs_bytes:,} B | {m.replay_per_request / MiB:,.1f} |",
+    ])
+# ------------------------------------------------------------------ end hybrid GDN state
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Resident bytes of a DSpine drafter.")
     ap.add_argument("--config", default="released",
@@ -200,6 +297,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="default: from config.json's torch_dtype")
     ap.add_argument("--no-fp8-head", action="store_true")
     ap.add_argument("--kv-allocation", choices=KV_ALLOCATIONS, default="full")
+    ap.add_argument("--tail-table-dtype-bytes", type=int, default=TAIL_TABLE_DTYPE_BYTES,
+                    help="element size of the per-token tail tables (default: what "
+                         "TailTables.build allocates, fp32)")
+    ap.add_argument("--gdn-state", action="store_true",
+                    help="also print a hybrid target's GDN state per request, 1 + K slots "
+                         "vs 1 (assumed Qwen3.8-27B dims, docs/hybrid.md)")
     args = ap.parse_args(argv)
     if args.config == "released":
         cfg = DSpineConfig.from_dict(RELEASED_QWEN38_27B, where="RELEASED_QWEN38_27B")
@@ -210,8 +313,12 @@ def main(argv: list[str] | None = None) -> None:
                            max_concurrency=args.concurrency,
                            kv_dtype_bytes=args.kv_dtype_bytes,
                            weight_dtype_bytes=weight_bytes,
-                           fp8_head=not args.no_fp8_head, kv_allocation=args.kv_allocation)
+                           fp8_head=not args.no_fp8_head, kv_allocation=args.kv_allocation,
+                           tail_table_dtype_bytes=args.tail_table_dtype_bytes)
     print(format_report(report))
+    if args.gdn_state:
+        gdn = gdn_state_memory(QWEN38_27B_GDN, num_spec=cfg.num_proposals)
+        print("\n" + format_gdn_state_memory(gdn))
 
 
 if __name__ == "__main__":

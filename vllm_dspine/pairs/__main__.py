@@ -43,6 +43,13 @@ def _make_smollm2(out: str, args: argparse.Namespace) -> dict:
     return write_smollm2_pair(out, cache_dir=args.cache)
 
 
+def _make_hybrid(out: str, args: argparse.Namespace) -> dict:
+    from vllm_dspine.pairs.hybrid import write_hybrid_pair
+
+    pair = write_hybrid_pair(out, seed=args.seed)
+    return {"target": pair.target_dir, "draft": pair.draft_dir}
+
+
 def main(argv: list[str] | None = None) -> int:
     from vllm_dspine.train.distill import TrainSettings
 
@@ -50,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
                                  description="Write a target + DSpine drafter pair.")
     ap.add_argument("name", choices=["tiny", "smollm2", "hybrid"])
     ap.add_argument("--out", required=True, help="folder for target/ and draft/")
-    ap.add_argument("--seed", type=int, default=0, help="tiny: seed of target and drafter")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="tiny, hybrid: seed of target and drafter")
     ap.add_argument("--steps", type=int, default=TrainSettings.steps,
                     help="tiny: distillation steps")
     ap.add_argument("--habit", type=float, default=0.5,
@@ -61,14 +69,11 @@ def main(argv: list[str] | None = None) -> int:
                          "(default: DIR/cache)")
     args = ap.parse_args(argv)
     out = os.path.abspath(args.out)
-    if args.name == "hybrid":
-        print("python -m vllm_dspine.pairs: the 'hybrid' pair (a Gated DeltaNet + attention "
-              "target) is not available in this version: hybrid targets are not supported "
-              "by the dspine method yet; use 'tiny' or 'smollm2'", file=sys.stderr)
-        return 2
     if args.name == "tiny":
         record = {"name": "tiny", "seed": args.seed, "steps": args.steps,
                   "habit": args.habit}
+    elif args.name == "hybrid":
+        record = {"name": "hybrid", "seed": args.seed}
     else:
         record = {"name": "smollm2"}
     if _complete(out, record):
@@ -76,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         os.makedirs(out, exist_ok=True)
         try:
-            (_make_tiny if args.name == "tiny" else _make_smollm2)(out, args)
+            make = {"tiny": _make_tiny, "smollm2": _make_smollm2, "hybrid": _make_hybrid}
+            make[args.name](out, args)
         except (OSError, ValueError, RuntimeError) as e:
             print(f"python -m vllm_dspine.pairs {args.name}: {e}", file=sys.stderr)
             return 1

@@ -378,6 +378,20 @@ def write_smollm2_pair(out: str, cache_dir: str | None = None,
     for name in sorted(os.listdir(drafter)):
         if name.endswith((".json", ".safetensors")):
             shutil.copyfile(os.path.join(drafter, name), os.path.join(draft, name))
+    # The no-bridge ablation (same data and steps), as a DSpine folder and in vLLM's own
+    # `dflash` format, for the benchmarks' side-by-side runs.
+    ablation = drafter + "-no-bridge"
+    if os.path.isfile(os.path.join(ablation, "config.json")):
+        from vllm_dspine.model.checkpoint import load_draft_checkpoint
+        from vllm_dspine.train.smollm2 import export_dflash
+
+        nb = os.path.join(out, "draft-no-bridge")
+        os.makedirs(nb, exist_ok=True)
+        for name in sorted(os.listdir(ablation)):
+            if name.endswith((".json", ".safetensors")):
+                shutil.copyfile(os.path.join(ablation, name), os.path.join(nb, name))
+        cfg, tensors = load_draft_checkpoint(nb)
+        export_dflash(cfg, tensors, nb + "-dflash")
     return {"target": target, "draft": draft, "drafter_source": drafter}
 
 

@@ -36,6 +36,22 @@ Patches:
    so every draft layer's context keys got layer 0's k_norm: the drafter computed the
    wrong function (verification kept outputs exact, acceptance suffered). A 2-D weight
    on CPU is applied per outermost group here; everything else goes to vLLM's op.
+7. `vllm.v1.metrics.loggers.PrometheusStatLogger._spec_decoding_cls` (and a wrapper on
+   its `record`): for a DSpine draft, vLLM's spec-decode Prometheus counters get a
+   neighbour, the histogram `vllm:dspine_verified_drafts` of drafts verified per
+   request and step (docs/dynamic-verification.md). Lengths 1..15 come from the
+   `num_draft_tokens_per_pos` vLLM's scheduler already ships in its SpecDecodingStats;
+   length 0 counts the step's decode outputs (one inter-token latency each) that came
+   without drafts. Nothing of vLLM's own metrics changes.
+
+Also here, no patch: with DSpine verifying fewer drafts than it drafts (`dspine_verify`
+'dynamic', `dspine_verify_max` < 15), patch 1 turns vLLM's asynchronous scheduling off
+when the user left it unset (its scheduler reserves a fixed number of draft slots
+before the drafter runs) and refuses an explicit `async_scheduling=True`. vLLM's
+synchronous scheduler takes per-request draft lists of any length (as for ngram) and
+its runner slices each request's cached sparse q to the verified prefix
+(`GPUModelRunner._get_spec_decode_draft_probs`); `_check_variable_draft_path` checks at
+start-up that those symbols are what this relies on.
 """
 
 from __future__ import annotations
@@ -47,10 +63,40 @@ import torch
 
 PINNED_VLLM_VERSION = "0.32.0"
 
+def _verify_max_option(value):
+    # bool is an int subclass: `true` is not a length.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"speculative_config['dspine_verify_max'] = {value!r} is not a number of "
+            f"drafts; give an integer from 1 to 15 (the drafts of one block)")
+    return value
+
+
+_COST_KEYS = ("step_s", "token_s", "draft_s")
+
+
+def _verify_cost_option(value):
+    ok = isinstance(value, dict) and set(value) == set(_COST_KEYS) and all(
+        isinstance(value[k], (int, float)) and not isinstance(value[k], bool)
+        and value[k] >= 0 for k in _COST_KEYS)
+    if not ok:
+        raise ValueError(
+            f"speculative_config['dspine_verify_cost'] = {value!r}: give "
+            f'{{"step_s": a, "token_s": b, "draft_s": c}} (seconds, >= 0: a verification '
+            f"step of N tokens costs a + b N, the drafter c), or leave it out to measure "
+            f"the running engine")
+    return {k: float(value[k]) for k in _COST_KEYS}
+
+
 # Keys of the speculative-config dict that are DSpine's own (SpeculativeConfig forbids
-# unknown keys, so they are taken out before it is built). See docs/serving.md.
+# unknown keys, so they are taken out before it is built). See docs/serving.md. A value
+# is the tuple of allowed values or a function that checks (and normalises) one.
 DSPINE_OPTIONS = {
     "dspine_retrieval": ("auto", "fp8", "bf16"),
+    "dspine_tail": (True, False),
+    "dspine_verify": ("dynamic", "fixed"),
+    "dspine_verify_max": _verify_max_option,
+    "dspine_verify_cost": _verify_cost_option,
 }
 
 _APPLIED: set[str] = set()
@@ -97,7 +143,9 @@ def split_dspine_options(spec: dict) -> tuple[dict, dict]:
     for key, allowed in DSPINE_OPTIONS.items():
         if key in spec:
             value = spec.pop(key)
-            if value not in allowed:
+            if callable(allowed):
+                value = allowed(value)
+            elif value not in allowed:
                 raise ValueError(
                     f"speculative_config['{key}'] = {value!r} is not one of {allowed}")
             options[key] = value
@@ -140,9 +188,23 @@ def _patch_create_speculative_config() -> None:
             config = original(self, target_model_config, target_parallel_config)
         finally:
             self.speculative_config = spec
-        from vllm_dspine.plugin.validation import validate_dspine_speculative_config
+        from vllm_dspine.plugin.validation import (
+            shortens_verification,
+            validate_dspine_speculative_config,
+        )
 
-        validate_dspine_speculative_config(config, options)
+        cfg = validate_dspine_speculative_config(config, options)
+        resolved = config.draft_model_config.hf_config.dspine_options
+        if shortens_verification(resolved, cfg):
+            if self.async_scheduling:
+                raise ValueError(
+                    "async_scheduling=True cannot carry DSpine's shortened verification "
+                    "(dspine_verify 'dynamic' or dspine_verify_max < "
+                    f"{cfg.num_proposals}): vLLM's asynchronous scheduler reserves a fixed "
+                    "number of draft slots before the drafter runs. Leave async "
+                    "scheduling unset (DSpine turns it off) or set dspine_verify 'fixed'")
+            if self.async_scheduling is None:
+                self.async_scheduling = False
         return config
 
     create_speculative_config._dspine_patched = True
@@ -342,11 +404,120 @@ def _patch_cpu_grouped_rms_norm() -> None:
     _custom_ops.rms_norm = rms_norm
 
 
+# ------------------------------------- 7. the verified-length histogram metric
+VERIFIED_DRAFTS_METRIC = "vllm:dspine_verified_drafts"
+
+
+def _dspine_spec_decoding_prom():
+    """vLLM's SpecDecodingProm plus, for a DSpine draft, the verified-length histogram."""
+    import prometheus_client
+    from vllm.v1.metrics.utils import create_metric_per_engine
+    from vllm.v1.spec_decode.metrics import SpecDecodingProm
+
+    class DSpineSpecDecodingProm(SpecDecodingProm):
+        def __init__(self, speculative_config, labelnames, per_engine_labelvalues,
+                     is_diffusion: bool = False):
+            super().__init__(speculative_config, labelnames, per_engine_labelvalues,
+                             is_diffusion=is_diffusion)
+            from vllm_dspine.plugin.hf_config import is_dspine_draft
+
+            self.histogram_dspine_verified = None
+            if is_diffusion or not is_dspine_draft(speculative_config):
+                return
+            K = speculative_config.num_speculative_tokens
+            self.histogram_dspine_verified = create_metric_per_engine(
+                prometheus_client.Histogram(
+                    name=VERIFIED_DRAFTS_METRIC,
+                    documentation="DSpine: drafts verified per request and step (0: the "
+                                  "request decoded without drafts that step).",
+                    labelnames=labelnames, buckets=[float(n) for n in range(K + 1)]),
+                per_engine_labelvalues)
+
+        def observe(self, spec_decoding_stats, engine_idx: int = 0):
+            super().observe(spec_decoding_stats, engine_idx)
+            hist = self.histogram_dspine_verified
+            if hist is None:
+                return
+            # per_pos[t] = requests verifying more than t drafts this step.
+            per_pos = list(spec_decoding_stats.num_draft_tokens_per_pos) + [0]
+            for n in range(1, len(per_pos)):
+                for _ in range(per_pos[n - 1] - per_pos[n]):
+                    hist[engine_idx].observe(n)
+
+        def observe_without_drafts(self, count: int, engine_idx: int = 0) -> None:
+            if self.histogram_dspine_verified is not None:
+                for _ in range(max(count, 0)):
+                    self.histogram_dspine_verified[engine_idx].observe(0)
+
+    return DSpineSpecDecodingProm
+
+
+def _patch_verified_length_metric() -> None:
+    from vllm.v1.metrics import loggers
+    from vllm.v1.spec_decode.metrics import SpecDecodingProm
+
+    cls = _require(loggers, "PrometheusStatLogger",
+                   "vllm.v1.metrics.loggers.PrometheusStatLogger")
+    current = _require(cls, "_spec_decoding_cls",
+                       "PrometheusStatLogger._spec_decoding_cls")
+    record = _require(cls, "record", "PrometheusStatLogger.record")
+    if getattr(record, "_dspine_patched", False):
+        return
+    if current is not SpecDecodingProm:
+        raise RuntimeError(
+            "vllm-dspine: PrometheusStatLogger._spec_decoding_cls is not vLLM's "
+            f"SpecDecodingProm ({current!r}); another plugin replaced it")
+    _require_params(record, ["self", "scheduler_stats", "iteration_stats", "mm_cache_stats",
+                             "engine_idx"], "PrometheusStatLogger.record")
+    from vllm.v1.metrics.stats import IterationStats
+
+    if not hasattr(IterationStats(), "inter_token_latencies_iter"):
+        raise RuntimeError("vllm-dspine: IterationStats has no inter_token_latencies_iter "
+                           f"in vLLM {installed_vllm_version()}")
+
+    @functools.wraps(record)
+    def wrapped_record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
+                       engine_idx=0):
+        out = record(self, scheduler_stats, iteration_stats, mm_cache_stats, engine_idx)
+        prom = self.spec_decoding_prom
+        if iteration_stats is not None and hasattr(prom, "observe_without_drafts"):
+            spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+            drafted = spec.num_drafts if spec is not None else 0
+            prom.observe_without_drafts(
+                len(iteration_stats.inter_token_latencies_iter) - drafted, engine_idx)
+        return out
+
+    wrapped_record._dspine_patched = True
+    cls._spec_decoding_cls = _dspine_spec_decoding_prom()
+    cls.record = wrapped_record
+
+
+def _check_variable_draft_path() -> None:
+    """Not a patch: the vLLM symbols shortened verification relies on (see the module
+    docstring) are there with the signatures of 0.32.0."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    _require_params(_require(GPUModelRunner, "_get_spec_decode_draft_probs",
+                             "GPUModelRunner._get_spec_decode_draft_probs"),
+                    ["self", "spec_decode_metadata"],
+                    "GPUModelRunner._get_spec_decode_draft_probs")
+    _require(GPUModelRunner, "_get_draft_token_ids_cpu", "GPUModelRunner._get_draft_token_ids_cpu")
+    _require_params(_require(Scheduler, "update_draft_token_ids",
+                             "Scheduler.update_draft_token_ids"),
+                    ["self", "draft_token_ids"], "Scheduler.update_draft_token_ids")
+    if "prev_num_draft_len" not in CachedRequestState.__dataclass_fields__:
+        raise RuntimeError("vllm-dspine: CachedRequestState.prev_num_draft_len is missing "
+                           f"in vLLM {installed_vllm_version()}")
+
+
 def apply_patches() -> None:
     """Apply every patch once per process (idempotent)."""
     check_vllm_version()
     for patch in (_patch_create_speculative_config, _patch_dflash_proposer_factory,
                   _patch_cpu_expand_kernel, _patch_sampling_params_spec_validation,
-                  _patch_cpu_generator_rewind, _patch_cpu_grouped_rms_norm):
+                  _patch_cpu_generator_rewind, _patch_cpu_grouped_rms_norm,
+                  _patch_verified_length_metric, _check_variable_draft_path):
         patch()
         _APPLIED.add(patch.__name__)

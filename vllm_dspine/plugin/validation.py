@@ -56,8 +56,54 @@ def validate_dspine_speculative_config(spec_config, options: dict) -> DSpineConf
     if getattr(parallel, "data_parallel_size", 1) != 1:
         raise ValueError("data_parallel_size != 1 is not validated with DSpine; run one "
                          "engine per replica (e.g. with Ray Serve, docs/serving.md)")
-    draft_hf.dspine_options = dict(options)
+    draft_hf.dspine_options = check_verification_options(spec_config, cfg, options)
     return cfg
+
+
+def check_verification_options(spec_config, cfg: DSpineConfig, options: dict) -> dict:
+    """The verification-length settings (docs/dynamic-verification.md); returns the
+    options with `dspine_verify` resolved (a hybrid target defaults to 'fixed')."""
+    options = dict(options)
+    K = cfg.num_proposals
+    cap = options.get("dspine_verify_max", K)
+    if cap > K:
+        raise ValueError(
+            f"speculative_config['dspine_verify_max'] = {cap}, but this drafter drafts "
+            f"{K} tokens a block; give 1 to {K}")
+    schedule = spec_config.num_speculative_tokens_per_batch_size
+    if schedule is not None:
+        from vllm.v1.spec_decode.dynamic.utils import (
+            validate_and_normalize_dynamic_sd_schedule,
+        )
+
+        try:
+            validate_and_normalize_dynamic_sd_schedule(schedule)
+        except ValueError as e:
+            raise ValueError(f"speculative_config['num_speculative_tokens_per_batch_size'] "
+                             f"= {schedule!r}: {e}") from None
+    target = spec_config.target_model_config
+    if target.is_hybrid or target.has_inner_state:
+        asked = [name for name, on in (
+            ("dspine_verify 'dynamic'", options.get("dspine_verify") == "dynamic"),
+            (f"dspine_verify_max {cap}", cap < K),
+            ("num_speculative_tokens_per_batch_size", schedule is not None)) if on]
+        if asked:
+            raise ValueError(
+                f"{', '.join(asked)}: verifying fewer than {K} drafts is not validated "
+                f"with a hybrid (recurrent-state) target; vLLM's CPU Gated DeltaNet "
+                f"speculative path goes wrong when a step verifies fewer drafts than "
+                f"num_speculative_tokens (FINDINGS.md). Remove the setting (hybrid targets "
+                f"verify all {K})")
+        options["dspine_verify"] = "fixed"
+    options.setdefault("dspine_verify", "dynamic")
+    return options
+
+
+def shortens_verification(options: dict, cfg: DSpineConfig) -> bool:
+    """Whether some step may verify fewer drafts than the block holds for reasons of
+    DSpine's own (vLLM's batch-size schedule shortens it the way vLLM supports)."""
+    return (options.get("dspine_verify", "dynamic") == "dynamic"
+            or options.get("dspine_verify_max", cfg.num_proposals) < cfg.num_proposals)
 
 
 def check_loaded_pair(cfg: DSpineConfig, target_model, draft_model) -> torch.Tensor:

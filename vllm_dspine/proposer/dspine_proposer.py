@@ -13,12 +13,21 @@ What this class adds (small overrides of the base class's hooks):
 - `take_last_draft_probs`: hands the sparse q to vLLM's per-request draft-probs
   bookkeeping, packed as [num_reqs, K, 2k] (see `sparse_q.py`), which the model runner
   re-orders by request id and passes to the rejection sampler we install.
+- `propose`: drafts the whole block always (K rows, whatever count vLLM asks for), then
+  verification is shortened per request: by vLLM's batch-size schedule
+  (`num_speculative_tokens_per_batch_size`), `dspine_verify_max`, and with
+  `dspine_verify: dynamic` by the policy of `dynamic.py`. Variable lengths go back to
+  vLLM as a list of per-request draft lists, which vLLM's synchronous scheduler verifies
+  as drafted (as it does for ngram); vLLM slices each request's cached sparse q to the
+  verified prefix. When nothing would be verified, the block forward is skipped and
+  only the draft context K/V of the newly committed positions is written.
 """
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from vllm.logger import init_logger
@@ -29,7 +38,10 @@ from vllm_dspine.plugin.hf_config import dspine_config_of
 from vllm_dspine.kernels.retrieval import retrieve_candidates
 from vllm_dspine.kernels.retrieval_ref import FP8Head
 from vllm_dspine.kernels.retrieval import fp8_matmul_available
-from vllm_dspine.kernels.tail import TailTables, refine_last_write
+from vllm_dspine.kernels.tail import (SAMPLING_EPS, TailTables, continuous_score_tables,
+                                      serial_tail, tail_score_tables)
+from vllm_dspine.proposer.dynamic import (FIXED, GREEDY, SAMPLED, DynamicVerifier,
+                                          FixedCost, draft_confidence)
 from vllm_dspine.proposer.sparse_q import pack_sparse_q
 
 logger = init_logger(__name__)
@@ -57,11 +69,30 @@ class DSpineProposer(DFlashProposer):
         self.dspine = dspine_config_of(hf_config)
         self.options: dict = dict(getattr(hf_config, "dspine_options", None) or {})
         self.retrieval_mode: str = self.options.get("dspine_retrieval", "auto")
+        # False: the no-tail ablation (per-row candidates scored by the continuous logits).
+        self.use_tail: bool = self.options.get("dspine_tail", True)
         self._anchor_ids: torch.Tensor | None = None  # [num_reqs]
         self._last_sparse_q: torch.Tensor | None = None  # [num_reqs, K, 2k]
         self._fp8_head: FP8Head | None = None
         self._tail_tables: TailTables | None = None
         self._debug_dump_dir = os.environ.get("VLLM_DSPINE_DEBUG_DUMP") or None
+        # Verification length (docs/dynamic-verification.md).
+        K = self.dspine.num_proposals
+        self.verify_max: int = int(self.options.get("dspine_verify_max", K))
+        dynamic = self.options.get("dspine_verify", "dynamic") == "dynamic"
+        if (dynamic or self.verify_max < K) and vllm_config.scheduler_config.async_scheduling:
+            raise ValueError(
+                "DSpine verifies fewer than all drafts here (dspine_verify 'dynamic' or "
+                "dspine_verify_max < 15), which vLLM's asynchronous scheduler cannot carry "
+                "(it schedules a fixed number of draft slots before the drafter runs); "
+                "run with --no-async-scheduling, or set dspine_verify 'fixed'")
+        self._verifier: DynamicVerifier | None = None
+        if dynamic and runner is not None:
+            cost = self.options.get("dspine_verify_cost")
+            self._verifier = DynamicVerifier(
+                K, FixedCost.from_option(cost) if cost else None,
+                max_batch_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
+        self._last_confidence = None  # [num_reqs, K] numpy, for the policy
 
     # ---------------------------------------------------------------- loading
     def load_model(self, target_model) -> None:
@@ -82,7 +113,8 @@ class DSpineProposer(DFlashProposer):
             from vllm_dspine.proposer.sparse_q import DSpineRejectionSampler
 
             self._runner.rejection_sampler = DSpineRejectionSampler(
-                self._runner.sampler, self.speculative_config, self.device)
+                self._runner.sampler, self.speculative_config, self.device,
+                runner=self._runner)
         logger.info("DSpine drafter loaded: block %d, %d candidates per row, retrieval %s",
                     self.dspine.block_size, self.dspine.head_topk,
                     "fp8+rescore" if self._fp8_head is not None else "bf16 full vocab")
@@ -137,12 +169,24 @@ class DSpineProposer(DFlashProposer):
             generators = [None if discarded[i] else sampling_metadata.generators.get(i)
                           for i in range(num_reqs)]
 
-        proposal = refine_last_write(
-            x_last, codes, rms, cand_ids, self._anchor_ids[:num_reqs].long(),
-            self.model.model.bridge.weights(), self.model.model.norm.weight,
-            self.model.model.norm.variance_epsilon, self._head_weight,
-            temperature, top_k, top_p, min_p, generators, self._tail_tables)
+        if self.use_tail:
+            # `refine_last_write`, with the tables kept for the policy's confidence.
+            any_sampled = bool((temperature >= SAMPLING_EPS).any())
+            S = tail_score_tables(
+                x_last, codes, rms, cand_ids, self._anchor_ids[:num_reqs].long(),
+                self.model.model.bridge.weights(), self.model.model.norm.weight,
+                self.model.model.norm.variance_epsilon, self._head_weight,
+                self._tail_tables, torch.float64 if any_sampled else torch.float32)
+        else:
+            dtype = torch.float64 if bool((temperature > 0).any()) else torch.float32
+            S = continuous_score_tables(hidden_states.view(num_reqs, K, -1), cand_ids,
+                                        self._head_weight, dtype)
+        proposal = serial_tail(S, cand_ids, temperature, top_k, top_p, min_p, generators)
         self._last_sparse_q = pack_sparse_q(proposal.cand_ids, proposal.cand_probs)
+        if self._verifier is not None:
+            self._last_confidence = draft_confidence(
+                S, proposal.cand_ids, proposal.cand_probs, proposal.draft_token_ids,
+                temperature < SAMPLING_EPS).cpu().numpy()
         if self._debug_dump_dir:
             self._debug_dump(num_reqs, hidden_states, cand_ids, proposal)
         return proposal.draft_token_ids.reshape(-1), None
@@ -166,3 +210,93 @@ class DSpineProposer(DFlashProposer):
     def take_last_draft_probs(self) -> torch.Tensor | None:
         q, self._last_sparse_q = self._last_sparse_q, None
         return q
+
+    # ------------------------------------------------------ verification length
+    def propose(self, num_speculative_tokens, target_token_ids, target_positions,
+                target_hidden_states, next_token_ids, token_indices_to_sample,
+                common_attn_metadata, sampling_metadata, mm_embed_inputs=None,
+                num_rejected_tokens_gpu=None, slot_mappings=None):
+        """vLLM's `propose`, asked for `num_speculative_tokens` drafts (15, or what its
+        batch-size schedule says for this batch size). The block is drafted whole;
+        returns [num_reqs, n] drafts (one length for all) or, with the dynamic policy,
+        one list of drafts per request."""
+        K = self.dspine.num_proposals
+        step_cap = max(0, min(int(num_speculative_tokens), self.verify_max, K))
+        num_reqs = common_attn_metadata.batch_size()
+        inputs = dict(
+            target_token_ids=target_token_ids, target_positions=target_positions,
+            target_hidden_states=target_hidden_states, next_token_ids=next_token_ids,
+            token_indices_to_sample=token_indices_to_sample,
+            common_attn_metadata=common_attn_metadata, sampling_metadata=sampling_metadata,
+            mm_embed_inputs=mm_embed_inputs, num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+            slot_mappings=slot_mappings)
+        v = self._verifier
+        if v is None:
+            if step_cap == 0:
+                self._store_context_only(inputs)
+                return torch.empty(num_reqs, 0, dtype=torch.int64, device=self.device)
+            drafts = super().propose(K, **inputs)
+            return drafts if step_cap == K else drafts[:, :step_cap].contiguous()
+
+        runner = self._runner
+        req_ids = list(runner.input_batch.req_ids[:num_reqs])
+        states = [runner.requests[r] for r in req_ids]
+        verified = [int(s.prev_num_draft_len) for s in states]
+        rejected = (None if num_rejected_tokens_gpu is None
+                    else num_rejected_tokens_gpu[:num_reqs].tolist())
+        v.begin(req_ids, verified, rejected, int(target_token_ids.shape[0]))
+        kinds, caps = self._kinds_and_caps(states, step_cap, verified, rejected)
+        plan = v.plan(kinds, caps)
+        if not plan.draft:
+            self._store_context_only(inputs)
+            v.context_only(caps)
+            v.end(req_ids, drafted=False)
+            return [[] for _ in range(num_reqs)]
+        drafts = super().propose(K, **inputs).tolist()
+        lengths = v.choose(req_ids, kinds, caps, self._last_confidence, plan)
+        v.end(req_ids, drafted=True)
+        return [row[:int(n)] for row, n in zip(drafts, lengths)]
+
+    def _kinds_and_caps(self, states, step_cap: int, verified: list[int],
+                        rejected: list[int] | None) -> tuple[np.ndarray, np.ndarray]:
+        """Per request: GREEDY / SAMPLED / FIXED (sampled with its own seed) and the most
+        drafts it may verify next step (0 while its prompt is still being prefilled;
+        for the policy's requests also no more than its remaining max_tokens use)."""
+        from vllm.sampling_params import SamplingType
+
+        n = len(states)
+        discarded = self._runner.discard_request_mask.np[:n]
+        kinds = np.full(n, SAMPLED, dtype=np.int64)
+        caps = np.zeros(n, dtype=np.int64)
+        for i, st in enumerate(states):
+            if discarded[i]:
+                continue
+            sp = st.sampling_params
+            if sp is None or sp.sampling_type == SamplingType.GREEDY:
+                kinds[i] = GREEDY
+            elif st.generator is not None:
+                kinds[i] = FIXED
+            cap = step_cap
+            if kinds[i] != FIXED and sp is not None and sp.max_tokens is not None:
+                committed = 1 if rejected is None else verified[i] - int(rejected[i]) + 1
+                cap = min(cap, sp.max_tokens - len(st.output_token_ids) - committed - 1)
+            caps[i] = max(cap, 0)
+        return kinds, caps
+
+    def _store_context_only(self, inputs: dict) -> None:
+        """The first part of vLLM's DFlash `propose` without the block: the newly
+        committed positions' features -> draft context K/V in the draft KV cache (the
+        positions vLLM rejected excluded, as always). Later blocks attend to exactly
+        these; a block's own rows are scratch that the next step's context overwrites."""
+        self.num_speculative_tokens = self.dspine.num_proposals  # the kernel's layout
+        hidden = self.model.combine_hidden_states(inputs["target_hidden_states"])
+        self.set_inputs_first_pass(
+            inputs["target_token_ids"], inputs["next_token_ids"], inputs["target_positions"],
+            hidden, inputs["token_indices_to_sample"], inputs["common_attn_metadata"],
+            inputs["num_rejected_tokens_gpu"])
+        n = self._dflash_num_context
+        self.model.precompute_and_store_context_kv(
+            self._dflash_hidden_states, self._context_positions_buffer[:n],
+            self._context_slot_mapping_buffer[:n])
+        self._last_sparse_q = None
+        self._last_confidence = None

@@ -1,419 +1,340 @@
-"""Multi-instance serving through Ray Serve: each replica one vLLM `AsyncLLM` with the
-DSpine proposer (DESIGN section 3, last bullet). Optional: needs `pip install
+"""Multi-instance serving through Ray Serve (DESIGN section 3, last bullet): every replica
+is one vLLM `AsyncLLM` with `"method": "dspine"` speculation behind vLLM's own
+OpenAI-compatible app, the one `vllm serve` runs. Optional: `pip install
 "vllm-dspine[ray]"` (`ray[serve]==2.60.0`).
 
     from ray import serve
     from vllm_dspine.serving.ray_serve import build_app
 
     serve.run(build_app(TARGET, DRAFT_DIR, num_replicas=2,
-                        engine_kwargs={"dtype": "bfloat16"}))
+                        serve_args=["--dtype", "bfloat16", "--max-model-len", "32768"],
+                        ray_actor_options={"num_gpus": 1}),
+              name="dspine", route_prefix="/")
 
-Routes of every replica (FastAPI ingress):
-  POST /v1/completions   OpenAI-style completion (one prompt; `stream: true` gives SSE)
-  GET  /v1/models        the served model name
-  GET  /stats            vLLM's spec-decode counters of the replica that answers
-  GET  /health           200 while the replica's engine is alive
+`serve_args` are `vllm serve` flags (everything after the model). Each replica parses
+them with vLLM's own parser, starts the engine the way `vllm serve` does
+(`vllm.entrypoints.launchers.api_server.entry.build_async_engine_client`) and hands Serve
+vLLM's FastAPI app (`vllm.entrypoints.launchers.build_app` + `init_app_state`) through
+Serve's late-bound ingress (`@serve.ingress()` with `__serve_build_asgi_app__`). So every
+route of `vllm serve` (chat and text completions, streaming, tools, structured outputs,
+`/tokenize`, `/metrics`, `/health`, ...) is vLLM's code; nothing here parses a request or
+writes a stream. Why not `ray.serve.llm`: docs/ray-serve.md.
 
-Ray Serve's own LLM API (`ray.serve.llm`, `ray[llm]==2.60.0`) pins vLLM 0.29.0, so it is
-not used: this is a small deployment of our own. See docs/ray-serve.md.
+This module must stay importable without vLLM and without the rest of vllm_dspine: the
+replica class is shipped to the Ray workers by value (see `_ship_by_value`), so that a
+worker whose Python lacks the package gets `PluginNotInstalledError`, not a bare
+`ModuleNotFoundError` while unpickling. Import vLLM and vllm_dspine inside functions only.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
-import time
-import uuid
-from dataclasses import dataclass, field
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 try:
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
     from ray import serve
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "vllm_dspine.serving.ray_serve needs Ray Serve: pip install 'vllm-dspine[ray]' "
         f"(ray[serve]==2.60.0); import failed: {e}") from e
 
-# Environment the replica needs before it imports vLLM, forwarded from the process that
-# calls build_app() when set there (Ray workers of an external `ray start` cluster do
-# not inherit the driver's environment). scripts/env.sh sets the CPU ones.
+# Environment a replica needs before it imports vLLM, forwarded from the process that
+# calls build_app() when set there: Ray workers of a cluster started with `ray start`
+# do not inherit the driver's environment. scripts/env.sh sets the CPU ones.
 FORWARDED_ENV = ("VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE", "VLLM_PLUGINS",
-                 "VLLM_LOGGING_LEVEL", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
-                 "TOKENIZERS_PARALLELISM")
+                 "VLLM_LOGGING_LEVEL", "VLLM_LOG_STATS_INTERVAL", "HF_HUB_OFFLINE",
+                 "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM", "HF_HOME")
 
-# Response header naming the replica that answered a completion (its /stats "replica").
+# Response header naming the Serve replica that answered (every route, /metrics too).
 REPLICA_HEADER = "x-dspine-replica"
 
-# Concurrent requests Serve hands one replica; vLLM batches and queues them itself, so
+# Concurrent requests Serve hands one replica. vLLM batches and queues them itself, so
 # this is generous rather than Serve's default of 5.
 MAX_ONGOING_REQUESTS = 128
 
-# Fields /v1/completions accepts. Anything else is refused with 400 (nothing is
-# silently ignored): "n", "best_of", "echo", "logprobs", "suffix" are not implemented.
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                    "stop", "ignore_eos", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty")
-_ACCEPTED_FIELDS = frozenset(("prompt", "model", "stream", "user") + _SAMPLING_FIELDS)
+PLUGIN_GROUP = "vllm.general_plugins"
+PLUGIN_ENTRY = "vllm_dspine.plugin:register"
+DISTRIBUTION = "vllm-dspine"
+
+# `vllm serve` flags that have no meaning inside a Serve replica (Serve's proxy owns the
+# socket; a replica is one API server with one engine), by argparse dest.
+_REFUSED_FLAGS = {
+    "host": "Serve's HTTP proxy listens for the replicas: serve.start(http_options=...)",
+    "port": "Serve's HTTP proxy listens for the replicas: serve.start(http_options=...)",
+    "uds": "Serve's HTTP proxy listens for the replicas",
+    "headless": "each replica is an API server with its own engine",
+    "api_server_count": "each replica is one API server; add replicas instead",
+    "grpc": "Serve's proxy speaks HTTP to this app",
+    "data_parallel_size": "replicas are the data parallelism: raise num_replicas",
+    "speculative_config": "build_app sets it; pass DSpine keys as speculative_config=",
+    "model": "pass the model as build_app's `target`",
+    "ssl_keyfile": "TLS ends at Serve's proxy (or in front of it)",
+    "ssl_certfile": "TLS ends at Serve's proxy (or in front of it)",
+}
 
 
-# ----------------------------------------------------------------------- requests
-class BadRequest(ValueError):
-    """A client mistake: answered with `status` (400, or 404 for an unknown model)."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
+class PluginNotInstalledError(RuntimeError):
+    """The Python a Ray worker runs lacks vllm-dspine, or vLLM would not load its plugin."""
 
 
-@dataclass
-class CompletionRequest:
-    prompt: dict  # vLLM TextPrompt {"prompt": str} or TokensPrompt {"prompt_token_ids": [...]}
-    sampling: dict  # keyword arguments of vllm.SamplingParams
-    stream: bool = False
+# ------------------------------------------------------------- checks in the replica
+def check_plugin_installed(driver_version: str | None = None) -> None:
+    """Raise PluginNotInstalledError unless this process's Python has vllm-dspine's
+    `vllm.general_plugins` entry point (and, if `driver_version` is given, the same
+    version as the process that built the app) and VLLM_PLUGINS does not exclude it.
+    Reads package metadata only: runs before vLLM is imported."""
+    where = f"{sys.executable} on {os.uname().nodename}"
+    entries = [e for e in importlib.metadata.entry_points(group=PLUGIN_GROUP)
+               if e.value.replace(" ", "") == PLUGIN_ENTRY]
+    if not entries:
+        raise PluginNotInstalledError(
+            f"vllm-dspine is not installed in the Python this Ray worker runs ({where}): "
+            f"no '{PLUGIN_GROUP}' entry point '{PLUGIN_ENTRY}', so vLLM would not know "
+            f"the 'dspine' method. Install the same vllm-dspine as the driver's into that "
+            f"environment on every node (pip install 'vllm-dspine[ray,gpu]', or "
+            f"'[ray,cpu]'), or start the Ray workers from the environment that has it.")
+    if driver_version is not None:
+        try:
+            here = importlib.metadata.version(DISTRIBUTION)
+        except importlib.metadata.PackageNotFoundError:
+            here = None
+        if here != driver_version:
+            raise PluginNotInstalledError(
+                f"vllm-dspine {here} is installed in the Python this Ray worker runs "
+                f"({where}), the driver has {driver_version}: install the same version "
+                f"on every node")
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and entries[0].name not in {p.strip() for p in allowed.split(",")}:
+        raise PluginNotInstalledError(
+            f"VLLM_PLUGINS={allowed!r} in this Ray worker ({where}) leaves out "
+            f"'{entries[0].name}', so vLLM would not load the DSpine plugin: add it "
+            f"(VLLM_PLUGINS='{allowed},{entries[0].name}') or unset VLLM_PLUGINS")
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _check_plugin_registered() -> None:
+    # vLLM's load_general_plugins() runs our entry point; it is what vLLM runs in every
+    # process it starts (engine core, workers), so registering by hand here would hide
+    # a setup in which those processes lack the plugin.
+    from vllm.plugins import load_general_plugins
+
+    from vllm_dspine import plugin
+
+    load_general_plugins()
+    if not plugin.is_registered():
+        raise PluginNotInstalledError(
+            "vLLM's load_general_plugins() did not run vllm_dspine.plugin:register in "
+            "this Ray worker: check VLLM_PLUGINS and that vllm-dspine is installed in "
+            "the Python the Ray workers run")
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+# ------------------------------------------------------------------ vllm serve args
+def _parser():
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    class _Parser(FlexibleArgumentParser):
+        def error(self, message):  # argparse would exit the replica (or the driver)
+            raise ValueError(f"serve_args: {message}")
+
+    return make_arg_parser(_Parser(prog="vllm serve (Ray Serve replica)"))
 
 
-def parse_completion_request(body: Any, served_model: str) -> CompletionRequest:
-    """Check a /v1/completions JSON body; raise BadRequest naming the field and the fix.
+def parse_serve_args(target: str, serve_args: Sequence[str], spec: dict | None = None):
+    """`vllm serve TARGET *serve_args --speculative-config SPEC` as vLLM's own parser and
+    checks read it (the argparse.Namespace `vllm serve` would run with). Raises
+    ValueError for flags that do not belong in a replica (`_REFUSED_FLAGS`)."""
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
 
-    Only the shape is checked here; value ranges (temperature < 0, top_p > 1, ...) are
-    left to `vllm.SamplingParams`, whose VLLMValidationError the route also answers
-    with 400.
-    """
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    unknown = sorted(set(body) - _ACCEPTED_FIELDS)
-    if unknown:
-        raise BadRequest(f"unsupported field(s) {unknown}; this endpoint accepts "
-                         f"{sorted(_ACCEPTED_FIELDS)}")
-    model = body.get("model")
-    if model is not None and model != served_model:
-        raise BadRequest(f"the model {model!r} does not exist; this server serves "
-                         f"{served_model!r}", status=404)
-
-    if "prompt" not in body:
-        raise BadRequest("missing field 'prompt' (a string or a list of token ids)")
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]  # OpenAI clients send ["text"] for one prompt
-    if isinstance(prompt, str):
-        if not prompt:
-            raise BadRequest("'prompt' is empty")
-        engine_prompt = {"prompt": prompt}
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
-        engine_prompt = {"prompt_token_ids": list(prompt)}
-    else:
-        raise BadRequest("'prompt' must be a non-empty string or a non-empty list of "
-                         "token ids (one prompt per request; send a batch as separate "
-                         "requests)")
-
-    max_tokens = body.get("max_tokens", 16)  # OpenAI's default
-    if not _is_int(max_tokens) or max_tokens < 1:
-        raise BadRequest(f"'max_tokens' must be an integer >= 1, got {max_tokens!r}")
-    sampling: dict = {"max_tokens": max_tokens}
-    for name in ("temperature", "top_p", "min_p", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty"):
-        if body.get(name) is not None:
-            if not _is_number(body[name]):
-                raise BadRequest(f"'{name}' must be a number, got {body[name]!r}")
-            sampling[name] = float(body[name])
-    sampling.setdefault("temperature", 1.0)  # OpenAI's default
-    for name in ("top_k", "seed"):
-        if body.get(name) is not None:
-            if not _is_int(body[name]):
-                raise BadRequest(f"'{name}' must be an integer, got {body[name]!r}")
-            sampling[name] = body[name]
-    if body.get("stop") is not None:
-        stop = body["stop"]
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise BadRequest("'stop' must be a string or a list of non-empty strings")
-        sampling["stop"] = stop
-    for name in ("ignore_eos",):
-        if body.get(name) is not None:
-            if not isinstance(body[name], bool):
-                raise BadRequest(f"'{name}' must be true or false, got {body[name]!r}")
-            sampling[name] = body[name]
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest(f"'stream' must be true or false, got {stream!r}")
-    return CompletionRequest(engine_prompt, sampling, stream)
+    serve_args = list(serve_args)
+    defaults = _parser().parse_args([target])
+    given = _parser().parse_args([target, *serve_args])
+    for dest, why in _REFUSED_FLAGS.items():
+        if getattr(given, dest, None) != getattr(defaults, dest, None):
+            flag = "--" + dest.replace("_", "-")
+            raise ValueError(f"serve_args sets {flag}: not in a Ray Serve replica ({why})")
+    if given.model_tag != target:
+        raise ValueError(f"serve_args names a model ({given.model_tag!r}); pass it as "
+                         f"`target`")
+    cli = [target, *serve_args]
+    if spec is not None:
+        cli += ["--speculative-config", json.dumps(spec)]
+    args = _parser().parse_args(cli)
+    args.model = args.model_tag  # what `vllm serve` does with the positional model
+    try:
+        validate_parsed_serve_args(args)
+    except TypeError as e:  # vLLM raises TypeError for some flag combinations
+        raise ValueError(f"serve_args: {e}") from e
+    return args
 
 
-def _error(message: str, status: int) -> JSONResponse:
-    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
-                        status_code=status)
-
-
-# -------------------------------------------------------------------- statistics
-@dataclass
-class SpecDecodeCounters:
-    """vLLM's spec-decode counters (the same numbers as `vllm:spec_decode_*`), summed
-    over the life of one replica's engine."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [K]
-
-    def add(self, stats) -> None:  # stats: vllm.v1.spec_decode.metrics.SpecDecodingStats
-        self.num_drafts += stats.num_drafts
-        self.num_draft_tokens += stats.num_draft_tokens
-        self.num_accepted_tokens += stats.num_accepted_tokens
-        per_pos = list(stats.num_accepted_tokens_per_pos)
-        if len(self.num_accepted_tokens_per_pos) < len(per_pos):
-            self.num_accepted_tokens_per_pos += [0] * (
-                len(per_pos) - len(self.num_accepted_tokens_per_pos))
-        for i, n in enumerate(per_pos):
-            self.num_accepted_tokens_per_pos[i] += n
-
-    def as_dict(self) -> dict:
-        mean = (1.0 + self.num_accepted_tokens / self.num_drafts) if self.num_drafts else None
-        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": self.num_accepted_tokens,
-                "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
-                "mean_acceptance_length": mean}
-
-
-def _stat_logger_factory(counters: SpecDecodeCounters):
-    """A per-engine stat-logger factory for `AsyncLLM(stat_loggers=[...])` that adds each
-    step's `scheduler_stats.spec_decoding_stats` into `counters`. vLLM's default loggers
-    (log lines, Prometheus) stay on beside it."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class _SpecDecodeCounterLogger(StatLoggerBase):
-        def __init__(self, vllm_config, engine_index: int = 0):
-            self.engine_index = engine_index
-
-        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
-                   engine_idx: int = 0):
-            if scheduler_stats is not None and scheduler_stats.spec_decoding_stats:
-                counters.add(scheduler_stats.spec_decoding_stats)
-
-        def log_engine_initialized(self):
-            pass
-
-    # A plain callable (not a class) so vLLM wraps it per engine
-    # (PerEngineStatLoggerAdapter) and calls it as factory(vllm_config, engine_index).
-    return lambda vllm_config, engine_index: _SpecDecodeCounterLogger(vllm_config,
-                                                                      engine_index)
-
-
-# ---------------------------------------------------------------------- deployment
+# ---------------------------------------------------------------------- the replica
 def _replica_id() -> str:
-    # Defined above DSpineServer on purpose: @serve.ingress freezes (pickles) the
-    # FastAPI app when the class is decorated, so route code sees only the module
-    # globals that exist at that point.
     try:
         return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # outside a replica (direct calls in tests)
+    except Exception:  # outside a replica
         return "local"
 
 
-_api = FastAPI(title="vllm-dspine on Ray Serve")
+class _ReplicaHeader:
+    """vLLM's app with `REPLICA_HEADER: <replica id>` added to every HTTP response. A
+    wrapper, not `app.add_middleware`: vLLM's app has built its middleware stack by the
+    time it is handed over. Attributes Serve reads from the app (`add_exception_handler`,
+    `docs_url`, ...) are the wrapped app's."""
+
+    def __init__(self, app, replica: str):
+        self.app = app
+        self.header = (REPLICA_HEADER.encode(), replica.encode())
+
+    def __getattr__(self, name):
+        return getattr(self.app, name)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_header(message):
+            if message["type"] == "http.response.start":
+                message = dict(message)
+                message["headers"] = [*message.get("headers", []), self.header]
+            await send(message)
+
+        return await self.app(scope, receive, send_with_header)
 
 
-@serve.ingress(_api)
-class DSpineServer:
-    """One Serve replica: a vLLM AsyncLLM with `"method": "dspine"` speculation."""
+class DSpineReplica:
+    """One Serve replica: `vllm serve TARGET *serve_args --speculative-config SPEC` minus
+    the socket. Deployed by build_app() (wrapped with `serve.ingress()`)."""
 
-    def __init__(self, target: str, spec: dict, engine_kwargs: dict, env: dict):
-        # spec: the full speculative_config dict ({"method": "dspine", ...}), built and
-        # checked by build_app(); engine_kwargs: the other AsyncEngineArgs fields.
+    async def __init__(self, target: str, serve_args: list[str], spec: dict, env: dict,
+                       driver_version: str | None = None):
         os.environ.update(env)  # before the first vLLM import in this process
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
+        check_plugin_installed(driver_version)
+        from contextlib import AsyncExitStack
 
-        from vllm_dspine import plugin
+        from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
 
-        kwargs = dict(engine_kwargs)
-        # EngineArgs.__post_init__ runs vLLM's load_general_plugins(), which registers
-        # our entry point in this process (and vLLM does the same in the engine-core
-        # and worker processes it spawns).
-        args = AsyncEngineArgs(model=target, speculative_config=dict(spec), **kwargs)
-        if not plugin.is_registered():
-            raise RuntimeError(
-                "the vllm_dspine plugin did not register in this Ray Serve replica: "
-                "install vllm-dspine into the Python the Ray workers run, and if "
-                "VLLM_PLUGINS is set, include 'dspine' in it")
-        served = kwargs.get("served_model_name") or target
-        self._model_name = served if isinstance(served, str) else served[0]
-        self._counters = SpecDecodeCounters()
-        self._engine = AsyncLLM.from_engine_args(
-            args, stat_loggers=[_stat_logger_factory(self._counters)])
+        cli_env_setup()  # what `vllm serve` sets up before parsing
+        self._args = parse_serve_args(target, serve_args, spec)
+        _check_plugin_registered()
+        self._replica = _replica_id()
+        self._stack = AsyncExitStack()
+        # vLLM's own engine start and stop (the context `vllm serve` runs in); the
+        # stack's exit (in __del__) shuts the engine down.
+        self._engine = await self._stack.enter_async_context(
+            build_async_engine_client(self._args))
 
-    # --- Serve hooks
+    async def __serve_build_asgi_app__(self):
+        # What vLLM's build_and_serve() does before it binds a socket.
+        import types
+
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.app import build_app as build_vllm_app
+
+        tasks = await self._engine.get_supported_tasks()
+        app = build_vllm_app(self._args, tasks, self._engine.model_config)
+        await init_app_state(self._engine, app.state, self._args, tasks)
+        # vLLM's engine-error handler flips `should_exit` on the uvicorn server its
+        # launcher stores here. Under Serve there is none: a dead engine fails
+        # check_health() below and Serve replaces the replica.
+        app.state.server = types.SimpleNamespace(should_exit=False)
+        return _ReplicaHeader(app, self._replica)
+
     async def check_health(self) -> None:
         # Serve calls this periodically; raising marks the replica unhealthy and Serve
         # replaces it (a dead engine core cannot come back inside the same replica).
         await self._engine.check_health()
 
-    def __del__(self):
-        engine = getattr(self, "_engine", None)
-        if engine is not None:
-            engine.shutdown()
+    async def __del__(self):
+        stack = getattr(self, "_stack", None)
+        if stack is not None:
+            self._stack = None
+            await stack.aclose()
 
-    # --- routes
-    @_api.get("/health")
-    async def health(self):
-        try:
-            await self._engine.check_health()
-        except Exception as e:  # the engine is dead: say so, Serve will replace us
-            return _error(f"engine is not healthy: {e}", 503)
-        return {"status": "ok"}
 
-    @_api.get("/v1/models")
-    async def models(self):
-        return {"object": "list", "data": [{"id": self._model_name, "object": "model",
-                                            "owned_by": "vllm-dspine"}]}
+def _ship_by_value() -> None:
+    """Pickle this module's functions and classes by value when Serve ships the
+    deployment, so a worker without vllm-dspine can run `check_plugin_installed` and
+    say so, instead of failing to unpickle a class from a module it cannot import."""
+    from ray import cloudpickle
 
-    @_api.get("/stats")
-    async def stats(self):
-        return {"replica": _replica_id(), "model": self._model_name,
-                "spec_decode": self._counters.as_dict()}
-
-    @_api.post("/v1/completions")
-    async def completions(self, request: Request):
-        from vllm import SamplingParams
-        from vllm.exceptions import VLLMClientError
-        from vllm.sampling_params import RequestOutputKind
-
-        try:
-            try:
-                body = await request.json()
-            except (ValueError, UnicodeDecodeError) as e:
-                raise BadRequest(f"the request body is not valid JSON: {e}") from e
-            parsed = parse_completion_request(body, self._model_name)
-            try:
-                params = SamplingParams(
-                    **parsed.sampling,
-                    output_kind=(RequestOutputKind.DELTA if parsed.stream
-                                 else RequestOutputKind.FINAL_ONLY))
-            except (ValueError, TypeError, VLLMClientError) as e:
-                # VLLMValidationError (a VLLMClientError, not a ValueError) names the field
-                raise BadRequest(str(e)) from e
-        except BadRequest as e:
-            return _error(str(e), e.status)
-
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        results = self._engine.generate(parsed.prompt, params, request_id)
-        if parsed.stream:
-            try:  # the first output surfaces bad prompts (too long, ...) as a 400
-                first = await anext(results)
-            except StopAsyncIteration:
-                first = None
-            except (ValueError, VLLMClientError) as e:
-                return _error(str(e), 400)
-            return StreamingResponse(
-                self._sse(first, results, request_id, created),
-                media_type="text/event-stream", headers={REPLICA_HEADER: _replica_id()})
-
-        final = None
-        try:
-            async for out in results:
-                final = out
-        except (ValueError, VLLMClientError) as e:
-            return _error(str(e), 400)
-        assert final is not None and final.finished, "vLLM ended a request without output"
-        choice = final.outputs[0]
-        prompt_tokens = len(final.prompt_token_ids or [])
-        return JSONResponse({
-            "id": request_id, "object": "text_completion", "created": created,
-            "model": self._model_name,
-            "choices": [{"index": 0, "text": choice.text, "logprobs": None,
-                         "finish_reason": choice.finish_reason}],
-            "usage": {"prompt_tokens": prompt_tokens,
-                      "completion_tokens": len(choice.token_ids),
-                      "total_tokens": prompt_tokens + len(choice.token_ids)},
-        }, headers={REPLICA_HEADER: _replica_id()})
-
-    async def _sse(self, first, results, request_id: str, created: int):
-        def chunk(out) -> str:
-            c = out.outputs[0]
-            return "data: " + json.dumps({
-                "id": request_id, "object": "text_completion", "created": created,
-                "model": self._model_name,
-                "choices": [{"index": 0, "text": c.text, "logprobs": None,
-                             "finish_reason": c.finish_reason}]}) + "\n\n"
-
-        if first is not None:
-            yield chunk(first)
-            async for out in results:  # cancelled on client disconnect: vLLM aborts
-                yield chunk(out)
-        yield "data: [DONE]\n\n"
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 # ------------------------------------------------------------------------- public
 def build_app(target: str, draft: str, *, num_replicas: int = 1,
-              engine_kwargs: dict | None = None,
-              ray_actor_options: dict | None = None) -> serve.Application:
-    """A Ray Serve application of `num_replicas` vLLM engines serving `target` with the
-    DSpine drafter in `draft` (`"num_speculative_tokens"`: the draft's block_size - 1,
-    15 for the released drafter).
+              serve_args: Sequence[str] = (), speculative_config: dict | None = None,
+              ray_actor_options: dict | None = None,
+              deployment_options: dict | None = None,
+              name: str = "DSpine") -> serve.Application:
+    """A Ray Serve application of `num_replicas` replicas, each vLLM's OpenAI server
+    around one engine serving `target` with the DSpine drafter in `draft`.
 
-    engine_kwargs: further `vllm.AsyncEngineArgs` fields (dtype, max_model_len, ...);
-    a `speculative_config` dict in it adds DSpine keys (e.g. `dspine_retrieval`) to the
-    spec dict but may not change `method` or `model`. ray_actor_options: Ray resources of
-    each replica (e.g. `{"num_gpus": 1}`; Serve's default is one CPU).
-    Start it with `serve.run(build_app(...))`.
+    serve_args: `vllm serve` flags (after the model), e.g. `["--dtype", "bfloat16"]`;
+    flags that make no sense in a replica (`--host`, `--port`, `--api-server-count`,
+    `--data-parallel-size`, `--speculative-config`, ...) are refused.
+    speculative_config: extra DSpine keys for the speculative config (e.g.
+    `{"dspine_retrieval": "bf16"}`); `method`, `model` and `num_speculative_tokens` are
+    set here (the latter to the draft's block_size - 1) and may not be changed.
+    ray_actor_options: Ray resources of each replica, e.g. `{"num_gpus": 1}` (Serve's
+    default is one CPU). deployment_options: further `serve.deployment` options
+    (`autoscaling_config`, `health_check_period_s`, `max_ongoing_requests`, ...).
+    Everything is checked here, in the caller, before any replica starts (a ValueError).
     """
     from vllm_dspine.config import DSpineConfig
 
     if not isinstance(target, str) or not target:
         raise ValueError(f"target must be a model path or hub id, got {target!r}")
-    if not _is_int(num_replicas) or num_replicas < 1:
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
         raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
-    engine_kwargs = dict(engine_kwargs or {})
-    if "model" in engine_kwargs:
-        raise ValueError("engine_kwargs must not set 'model': pass it as `target`")
-    extra_spec = engine_kwargs.pop("speculative_config", None) or {}
-    if not isinstance(extra_spec, dict):
-        raise ValueError("engine_kwargs['speculative_config'] must be a dict of extra "
-                         "DSpine keys (e.g. {'dspine_retrieval': 'bf16'})")
-    _check_engine_kwargs(engine_kwargs)
-    # Reads and checks the draft's config.json here, so a wrong folder fails in the
-    # caller instead of in every replica Serve retries.
+    if isinstance(serve_args, str) or not all(isinstance(a, str) for a in serve_args):
+        raise ValueError("serve_args must be a list of strings (vllm serve flags), got "
+                         f"{serve_args!r}")
+    if speculative_config is not None and not isinstance(speculative_config, dict):
+        raise ValueError("speculative_config must be a dict of DSpine keys (e.g. "
+                         f"{{'dspine_retrieval': 'bf16'}}), got {speculative_config!r}")
+    extra = dict(speculative_config or {})
+    # The draft's config.json is read here, so a wrong folder fails in the caller
+    # instead of in every replica Serve retries. A local target path is made absolute
+    # (replicas do not run in the caller's working directory).
     draft = os.path.abspath(str(draft))
     config = DSpineConfig.from_pretrained(draft)
-    spec = {"method": "dspine", "model": draft,
-            "num_speculative_tokens": config.num_proposals}
+    if os.path.isdir(target):
+        target = os.path.abspath(target)
+    spec = {"method": "dspine", "model": draft, "num_speculative_tokens": config.num_proposals}
     for key, want in spec.items():
-        if key in extra_spec and extra_spec[key] != want:
-            raise ValueError(f"engine_kwargs['speculative_config'][{key!r}] is "
-                             f"{extra_spec[key]!r}; build_app sets it to {want!r}: "
-                             f"remove the key")
-    spec.update(extra_spec)
-
-    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-    deployment = serve.deployment(
-        DSpineServer, name="DSpineServer", num_replicas=num_replicas,
-        max_ongoing_requests=MAX_ONGOING_REQUESTS,
-        ray_actor_options=dict(ray_actor_options or {}))
-    return deployment.bind(target, spec, engine_kwargs, env)
-
-
-def _check_engine_kwargs(engine_kwargs: dict) -> None:
-    """Refuse unknown engine arguments here, before a replica fails on them repeatedly.
-    Reads the field names without importing vLLM's heavy modules when it is absent."""
+        if key in extra and extra[key] != want:
+            raise ValueError(f"speculative_config[{key!r}] is {extra[key]!r}; build_app "
+                             f"sets it to {want!r}: remove the key")
+    spec.update(extra)
     try:
-        import dataclasses
+        import vllm  # noqa: F401
+    except ImportError:
+        pass  # a driver without vLLM: each replica parses and checks the same
+    else:
+        parse_serve_args(target, serve_args, spec)
 
-        from vllm.engine.arg_utils import AsyncEngineArgs
-    except ImportError:  # the driver may lack vLLM; the replica will check
-        return
-    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
-    unknown = sorted(set(engine_kwargs) - known)
-    if unknown:
-        raise ValueError(f"engine_kwargs has unknown vLLM engine argument(s) {unknown}; "
-                         f"see vllm.AsyncEngineArgs")
+    options = {"max_ongoing_requests": MAX_ONGOING_REQUESTS, **dict(deployment_options or {})}
+    for key in ("num_replicas", "ray_actor_options", "name"):
+        if key in options:
+            raise ValueError(f"deployment_options[{key!r}]: use build_app's {key}=")
+    if "autoscaling_config" in options and num_replicas != 1:
+        raise ValueError("give either num_replicas or deployment_options"
+                         "['autoscaling_config'], not both")
+    if "autoscaling_config" not in options:
+        options["num_replicas"] = num_replicas
+    try:
+        driver_version = importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        driver_version = None
+    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+
+    _ship_by_value()
+    deployment = serve.deployment(
+        serve.ingress()(DSpineReplica), name=name,
+        ray_actor_options=dict(ray_actor_options or {}), **options)
+    return deployment.bind(target, list(serve_args), spec, env, driver_version)

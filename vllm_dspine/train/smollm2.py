@@ -187,30 +187,45 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     work = os.path.abspath(args.work)
     target_dir = os.path.join(work, "target")
-    convert_gguf_to_hf(fetch_gguf(os.path.join(work, "cache")), target_dir)
+    # Under torchrun: rank 0 makes the target, the data and the features (cached in
+    # WORK), the others wait for it, then every rank trains on its share (train/loop.py).
+    rank = int(os.environ.get("RANK", "0"))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if rank == 0:
+        convert_gguf_to_hf(fetch_gguf(os.path.join(work, "cache")), target_dir)
     torch.manual_seed(args.seed)
-    seqs = build_data(work, target_dir, args.prompts, args.max_tokens, args.greedy_share,
-                      args.seed)
-    with open(os.path.join(work, "data", "sequences.json")) as f:
-        starts = json.load(f)["answer_start"]
+    seqs = None
+    if rank == 0:
+        seqs = build_data(work, target_dir, args.prompts, args.max_tokens,
+                          args.greedy_share, args.seed)
     if args.stop_after == "data":
         return 0
     cfg = draft_config(args.layers)
+    feat_path = os.path.join(work, "data",
+                             f"features-{'-'.join(map(str, cfg.target_layer_ids))}.pt")
+    if rank == 0 and not os.path.exists(feat_path):
+        _log(f"target features of {sum(map(len, seqs))} tokens ...")
+        feats = [f.to(torch.bfloat16) for f in features_of_sequences(
+            load_target(target_dir), seqs, cfg.target_layer_ids)]
+        torch.save(feats, feat_path)
+    if args.stop_after == "features" and rank == 0:
+        return 0
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+    with open(os.path.join(work, "data", "sequences.json")) as f:
+        saved = json.load(f)
+    seqs, starts = saved["sequences"], saved["answer_start"]
+    feats = torch.load(feat_path)
     # Hold out every 16th greedy sequence (generate_answers puts the greedy ones first)
     # for the offline acceptance check.
     held = set(range(0, round(args.greedy_share * len(seqs)), 16))
     train_idx = [i for i in range(len(seqs)) if i not in held]
     target = load_target(target_dir)
-    feat_path = os.path.join(work, "data", f"features-{'-'.join(map(str, cfg.target_layer_ids))}.pt")
-    if os.path.exists(feat_path):
-        feats = torch.load(feat_path)
-    else:
-        _log(f"target features of {sum(map(len, seqs))} tokens ...")
-        feats = [f.to(torch.bfloat16) for f in
-                 features_of_sequences(target, seqs, cfg.target_layer_ids)]
-        torch.save(feats, feat_path)
-    if args.stop_after == "features":
-        return 0
     embed = target.model.embed_tokens.weight.detach().float()
     head = target.lm_head.weight.detach().float()
     data = DistillData(ids=[torch.tensor(seqs[i]) for i in train_idx],
@@ -231,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     train_dir = os.path.join(work, f"train-{args.variant}")
     tensors, stats = distill(cfg, init, embed, head, data, settings, train_dir,
                              frozen=frozen)
+    if rank != 0:
+        return 0
     out = os.path.abspath(args.out or os.path.join(work, f"draft-{args.variant}"))
     os.makedirs(out, exist_ok=True)
     save_draft_checkpoint(out, cfg, {k: v.to(torch.bfloat16) for k, v in tensors.items()})

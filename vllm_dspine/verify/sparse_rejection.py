@@ -372,6 +372,21 @@ def _check_inputs(
         )
 
 
+def drop_invalid_q(
+    draft_cand_ids: torch.Tensor,  # [num_tokens, topk] int64
+    draft_cand_probs: torch.Tensor,  # [num_tokens, topk] float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows whose q is not a distribution (a NaN, inf or negative entry, e.g. from a
+    drafter whose weights overflow) become q = 0 (ids -1, probabilities 0): none of
+    their drafts is accepted and the token is drawn from p, which is exact whatever the
+    draft was. (Left as they are, NaN residuals would count as 0 and the row's 16
+    candidates could never be emitted.) No host sync: a `where` over [T, topk]."""
+    bad = ~(torch.isfinite(draft_cand_probs) & (draft_cand_probs >= 0)).all(dim=1)
+    ids = torch.where(bad[:, None], -1, draft_cand_ids)
+    probs = torch.where(bad[:, None], 0.0, draft_cand_probs)
+    return ids, probs
+
+
 def sparse_rejection_sample(
     draft_token_ids: torch.Tensor,  # [num_tokens] int
     num_draft_tokens: list[int],  # [num_reqs]
@@ -399,6 +414,8 @@ def sparse_rejection_sample(
         draft_cand_ids, draft_cand_probs, target_probs, bonus_token_ids, is_greedy,
         target_argmax, uniform_probs, inv_exp,
     )
+    if target_probs is not None:  # random rows read q (greedy rows never do)
+        draft_cand_ids, draft_cand_probs = drop_invalid_q(draft_cand_ids, draft_cand_probs)
     if use_triton is None:
         use_triton = draft_token_ids.is_cuda
     args = (

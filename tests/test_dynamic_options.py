@@ -1,0 +1,108 @@
+"""The verification-length settings in the speculative config: accepted, resolved, or
+refused with a message naming the setting and the fix. No engine is started (vLLM
+builds its configs in `EngineArgs.create_engine_config`, where the checks run)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from engine_utils import engine_env
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    engine_env()
+    from vllm_dspine.pairs.tiny import write_tiny_pair
+
+    return write_tiny_pair(str(tmp_path_factory.mktemp("pair")), seed=0)
+
+
+def _build(pair, spec_extra=None, **engine_kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    spec = {"method": "dspine", "model": pair.draft_dir, "num_speculative_tokens": 15}
+    spec.update(spec_extra or {})
+    args = EngineArgs(model=pair.target_dir, dtype="float32", speculative_config=spec,
+                      **engine_kwargs)
+    return args, args.create_engine_config()
+
+
+def _options(config) -> dict:
+    return config.speculative_config.draft_model_config.hf_config.dspine_options
+
+
+def test_dynamic_is_the_default_and_turns_async_scheduling_off(pair):
+    args, config = _build(pair)
+    assert _options(config)["dspine_verify"] == "dynamic"
+    assert args.async_scheduling is False
+    assert config.scheduler_config.async_scheduling is False
+
+
+def test_fixed_with_a_cap_and_an_injected_cost_are_accepted(pair):
+    cost = {"step_s": 0.01, "token_s": 0.0005, "draft_s": 0}
+    _, config = _build(pair, {"dspine_verify": "fixed", "dspine_verify_max": 6})
+    assert _options(config) == {"dspine_verify": "fixed", "dspine_verify_max": 6}
+    _, config = _build(pair, {"dspine_verify_cost": cost})
+    assert _options(config)["dspine_verify_cost"] == {"step_s": 0.01, "token_s": 0.0005,
+                                                       "draft_s": 0.0}
+
+
+def test_batch_size_schedule_is_accepted(pair):
+    """vLLM's `num_speculative_tokens_per_batch_size` is supported: the block is still
+    drafted whole, verification takes the schedule's count (tests/test_dynamic_engine.py
+    checks it is exact)."""
+    _, config = _build(pair, {"num_speculative_tokens_per_batch_size": [[1, 2, 15],
+                                                                         [3, 64, 4]]})
+    assert config.speculative_config.num_speculative_tokens_per_batch_size
+    assert config.speculative_config.num_speculative_tokens == 15
+
+
+@pytest.mark.parametrize("extra, match", [
+    pytest.param({"dspine_verify": "sometimes"}, r"dspine_verify'\] = 'sometimes'",
+                 id="unknown-mode"),
+    pytest.param({"dspine_verify_max": 16}, r"dspine_verify_max'\] = 16.*give 1 to 15",
+                 id="cap-above-block"),
+    pytest.param({"dspine_verify_max": 0}, r"dspine_verify_max'\] = 0.*from 1 to 15",
+                 id="cap-zero"),
+    pytest.param({"dspine_verify_max": True}, r"dspine_verify_max'\] = True", id="cap-bool"),
+    pytest.param({"dspine_verify_cost": {"step_s": 1.0}}, r"dspine_verify_cost.*step_s",
+                 id="cost-incomplete"),
+    pytest.param({"dspine_verify_cost": {"step_s": 1, "token_s": -1, "draft_s": 0}},
+                 r"dspine_verify_cost", id="cost-negative"),
+    pytest.param({"num_speculative_tokens_per_batch_size": [[2, 8, 3]]},
+                 r"num_speculative_tokens_per_batch_size'\] = .*start at 1",
+                 id="schedule-not-from-1"),
+])
+def test_bad_settings_are_refused(pair, extra, match):
+    with pytest.raises(ValueError, match=match):
+        _build(pair, extra)
+
+
+@pytest.mark.parametrize("extra", [{}, {"dspine_verify_max": 8}])
+def test_async_scheduling_asked_for_is_refused_with_shortened_verification(pair, extra):
+    with pytest.raises(ValueError, match=r"async_scheduling=True.*dspine_verify 'fixed'"):
+        _build(pair, extra, async_scheduling=True)
+
+
+def test_hybrid_target_verifies_all_drafts():
+    """A hybrid (recurrent-state) target: vLLM's CPU GDN path is wrong when a step
+    verifies fewer drafts than K (FINDINGS.md), so the default becomes 'fixed' and
+    asking for fewer is refused."""
+    from vllm_dspine.config import DSpineConfig
+    from vllm_dspine.pairs.tiny import draft_config
+    from vllm_dspine.plugin.validation import check_verification_options
+
+    cfg = draft_config((1, 3, 4), None)
+    assert isinstance(cfg, DSpineConfig)
+    spec = SimpleNamespace(num_speculative_tokens_per_batch_size=None,
+                           target_model_config=SimpleNamespace(is_hybrid=True,
+                                                               has_inner_state=True))
+    assert check_verification_options(spec, cfg, {})["dspine_verify"] == "fixed"
+    for opts in ({"dspine_verify": "dynamic"}, {"dspine_verify_max": 4}):
+        with pytest.raises(ValueError, match=r"hybrid.*Remove the setting"):
+            check_verification_options(spec, cfg, opts)
+    spec.num_speculative_tokens_per_batch_size = [[1, 8, 3]]
+    with pytest.raises(ValueError, match=r"num_speculative_tokens_per_batch_size.*hybrid"):
+        check_verification_options(spec, cfg, {})

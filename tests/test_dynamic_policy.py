@@ -1,0 +1,284 @@
+"""The dynamic-verification policy (vllm_dspine/proposer/dynamic.py) without an engine:
+its choices under injected cost models, the measured cost model, the calibration, the
+drafter skip with its probes, and losslessness of the sampled rule, checked exactly."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from engine_utils import engine_env
+
+engine_env()
+
+from vllm_dspine.proposer.dynamic import (  # noqa: E402
+    FIXED,
+    GREEDY,
+    PROBE_MIN,
+    SAMPLED,
+    SKIP_AFTER,
+    AcceptanceCalibrator,
+    DynamicVerifier,
+    FixedCost,
+    MeasuredStepCost,
+    choose_lengths,
+    draft_confidence,
+)
+
+K = 15
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def _certain(cal: AcceptanceCalibrator, greedy: bool = True, n: int = 400) -> None:
+    """The calibrator has seen every draft of confidence 1.0 accepted."""
+    for _ in range(n):
+        cal.observe(np.ones(K), greedy, K, K)
+
+
+def _step(v: DynamicVerifier, req_ids, kinds, conf, rejected=None, verified=None,
+          num_tokens=None, clock=None, step_s=None):
+    """One engine step through the policy; returns (drafted?, lengths)."""
+    R = len(req_ids)
+    v.begin(req_ids, verified or [0] * R, rejected, num_tokens or R)
+    caps = np.full(R, K)
+    plan = v.plan(np.array(kinds), caps)
+    if not plan.draft:
+        v.context_only(caps)
+        v.end(req_ids, drafted=False)
+        return False, np.zeros(R, dtype=int)
+    lengths = v.choose(req_ids, np.array(kinds), caps, conf, plan)
+    v.end(req_ids, drafted=True)
+    return True, lengths
+
+
+def test_zero_drafts_when_the_cost_model_says_verification_cannot_pay():
+    """Injected cost: a verified token costs as much as a whole step's fixed part plus
+    more, and no draft is certain: every request verifies 0; after SKIP_AFTER such steps
+    the drafter itself is skipped, with probes at doubling intervals."""
+    v = DynamicVerifier(K, FixedCost(step_s=0.0, token_s=1.0, draft_s=0.0))
+    ids = ["a", "b", "c", "d"]
+    conf = np.full((4, K), 0.95)
+    kinds = [GREEDY, GREEDY, SAMPLED, SAMPLED]
+    drafted, lengths = _step(v, ids, kinds, conf)
+    # Sampled: no threshold from a past step yet, so the cap; beside those 30 tokens a
+    # few confident greedy drafts raise the batch's rate.
+    assert drafted and list(lengths[2:]) == [K, K]
+    drafted, lengths = _step(v, ids, kinds, conf)
+    assert drafted and list(lengths) == [0, 0, 0, 0]
+    drafted, lengths = _step(v, ids[:2], kinds[:2], conf[:2])
+    assert drafted and list(lengths) == [0, 0]  # greedy alone: nothing pays
+    for _ in range(SKIP_AFTER - 3):
+        assert _step(v, ids, kinds, conf)[0]
+    # The drafter is skipped now, except at probes: one request verified in full (and
+    # beside its 15 tokens, a few confident drafts of the others may pay).
+    pattern = []
+    for _ in range(PROBE_MIN * 7):
+        drafted, lengths = _step(v, ids, kinds, conf)
+        pattern.append(drafted)
+        if drafted:
+            assert (lengths == K).sum() == 1
+    probes = [i + 1 for i, d in enumerate(pattern) if d]
+    assert probes[:3] == [PROBE_MIN, 3 * PROBE_MIN, 7 * PROBE_MIN]
+    assert v.summary()["skipping"]
+
+
+def test_fifteen_drafts_when_acceptance_is_certain():
+    """Every draft accepted so far at confidence 1.0, and the step has a fixed part (an
+    engine step is never free): all 15 drafts are verified, greedy at once, sampled from
+    the second step (their threshold comes from the step before)."""
+    v = DynamicVerifier(K, FixedCost(step_s=0.01, token_s=0.001, draft_s=0.002))
+    _certain(v.calibrator, greedy=True)
+    _certain(v.calibrator, greedy=False)
+    ids = [f"r{i}" for i in range(6)]
+    kinds = [GREEDY, GREEDY, GREEDY, SAMPLED, SAMPLED, SAMPLED]
+    conf = np.ones((6, K))
+    for _ in range(3):
+        drafted, lengths = _step(v, ids, kinds, conf)
+        assert drafted and list(lengths) == [K] * 6
+    assert not v.summary()["skipping"]
+
+
+def test_seeded_requests_keep_the_fixed_length():
+    v = DynamicVerifier(K, FixedCost(step_s=0.0, token_s=1.0, draft_s=0.0))
+    for _ in range(3 * SKIP_AFTER):
+        drafted, lengths = _step(v, ["s", "g"], [FIXED, GREEDY], np.full((2, K), 0.02))
+        # A seeded request is drafted and verified in full every step (its seed then
+        # reproduces its text); the greedy one beside it gets what pays: nothing.
+        assert drafted and list(lengths) == [K, 0]
+
+
+def test_intermediate_lengths_follow_confidence():
+    """A fixed step cost and a per-token cost in between: confident requests verify
+    longer prefixes than unsure ones, and some verify a few, not 0 or 15."""
+    v = DynamicVerifier(K, FixedCost(step_s=0.004, token_s=0.001, draft_s=0.0))
+    decay = np.array([0.97, 0.9, 0.7, 0.4])[:, None] ** np.arange(1, K + 1)[None, :]
+    conf = np.repeat(decay[:, :1], K, axis=1)  # constant confidence per request
+    _, lengths = _step(v, ["a", "b", "c", "d"], [GREEDY] * 4, conf)
+    assert list(lengths) == sorted(lengths, reverse=True)
+    assert lengths[0] > lengths[-1]
+    assert any(0 < n < K for n in lengths)
+
+
+def test_token_budget_is_respected():
+    G = np.ones((8, K))
+    lengths = choose_lengths(G, np.full(8, K), np.full(8, GREEDY), None,
+                             FixedCost(1.0, 0.001, 0.0).verify, 0.0, 0.0, max_tokens=50).lengths
+    assert lengths.sum() + 8 <= 50 and lengths.sum() == 42
+
+
+def test_measured_cost_model_fits_the_engine_and_drives_the_choice():
+    """The policy measured on a simulated engine whose step takes a + b N seconds: with
+    b large it verifies nothing and then skips the drafter; with a large it verifies all
+    of certain drafts. The model itself recovers the line."""
+    for (a, b), expect in (((0.0005, 0.01), 0), ((0.05, 0.0001), K)):
+        clock = FakeClock()
+        v = DynamicVerifier(K, None, clock=clock)
+        _certain(v.calibrator)
+        ids = ["x", "y"]
+        conf = np.ones((2, K)) if expect == K else np.full((2, K), 0.6)
+        n_tokens = 2
+        seen = []
+        for step in range(60):
+            clock.t += a + b * n_tokens  # the verification step just measured
+            v.begin(ids, [0, 0], None, n_tokens)
+            caps = np.full(2, K)
+            plan = v.plan(np.array([GREEDY, GREEDY]), caps)
+            if plan.draft:
+                clock.t += 0.001
+                lengths = v.choose(ids, np.array([GREEDY, GREEDY]), caps, conf, plan)
+            else:
+                v.context_only(caps)
+                lengths = np.zeros(2, dtype=int)
+            v.end(ids, plan.draft)
+            n_tokens = int(2 + lengths.sum())
+            seen.append((plan.draft, lengths.tolist()))
+        assert v.verify_cost.ready
+        for n in (2, 10, 32):
+            assert float(v.verify_cost.verify(n)) == pytest.approx(a + b * n, rel=0.05)
+        late = seen[-20:]
+        if expect == 0:
+            assert v.summary()["skipping"]
+            assert sum(d for d, _ in late) <= 2
+        else:
+            assert all(d and ls == [K, K] for d, ls in late)
+
+
+def test_measured_cost_ignores_idle_gaps():
+    m = MeasuredStepCost()
+    for n in (4, 8, 16, 32) * 5:
+        m.observe(n, 0.01 + 0.001 * n)
+    m.observe(16, 5.0)  # the engine sat idle between two requests
+    assert float(m.verify(16)) == pytest.approx(0.026, rel=0.05)
+
+
+def test_calibrator_follows_observed_acceptance():
+    cal = AcceptanceCalibrator(K)
+    conf = np.full(K, 0.85)
+    rng = np.random.default_rng(0)
+    for _ in range(300):  # true acceptance 0.5 per draft whatever the confidence says
+        ok = rng.random(K) < 0.5
+        cal.observe(conf, True, K if ok.all() else int(np.argmin(ok)), K)
+    alpha = cal.predict(conf[None, :], np.array([True]))
+    assert abs(alpha[0, 0] - 0.5) < 0.08
+    # Sampled requests are calibrated apart: still the prior there.
+    assert cal.predict(conf[None, :], np.array([False]))[0, 0] == pytest.approx(0.85)
+
+
+def test_draft_confidence():
+    """Greedy rows: the tail's softmax probability of the chosen candidate under the
+    table row of its predecessor; sampled rows: the peak of q."""
+    torch.manual_seed(0)
+    R, k = 2, 4
+    S = torch.randn(R, 2, k, k, dtype=torch.float64)
+    cand = torch.arange(k).repeat(R, 2, 1) + 10
+    j1 = S[:, 0, 0].argmax(-1)
+    j2 = S[torch.arange(R), 1, j1].argmax(-1)
+    draft = torch.stack([j1, j2], 1) + 10
+    q = torch.softmax(torch.randn(R, 2, k), -1)
+    conf = draft_confidence(S, cand, q, draft, torch.tensor([True, False]))
+    expect0 = [torch.softmax(S[0, 0, 0], -1).max(), torch.softmax(S[0, 1, j1[0]], -1).max()]
+    torch.testing.assert_close(conf[0].double(), torch.stack(expect0), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(conf[1], q[1].amax(-1))
+
+
+# --------------------------------------------------- losslessness, exactly
+def _residual(p, q):
+    r = np.maximum(p - q, 0.0)
+    return r / r.sum() if r.sum() > 0 else p
+
+
+def _exact_first_two_tokens(p1, p2, q1, q2, length_of):
+    """The exact distribution of the first two emitted tokens when the request's two
+    drafts v1 ~ q1, v2 ~ q2[v1] are verified up to length_of(v1, v2) in {0, 1, 2} by
+    exact speculative sampling (a token after a rejection comes from the next step,
+    drawn from p2[x1])."""
+    V = len(p1)
+    out = np.zeros((V, V))
+    for v1, v2 in itertools.product(range(V), range(V)):
+        w = q1[v1] * q2[v1][v2]
+        n = length_of(v1, v2)
+        if n == 0:
+            out += w * p1[:, None] * p2
+            continue
+        a1 = min(1.0, p1[v1] / q1[v1])
+        r1 = _residual(p1, q1)
+        out += w * (1 - a1) * r1[:, None] * p2
+        if n == 1:
+            out[v1] += w * a1 * p2[v1]
+        else:
+            a2 = min(1.0, p2[v1][v2] / q2[v1][v2])
+            out[v1, v2] += w * a1 * a2
+            out[v1] += w * a1 * (1 - a2) * _residual(p2[v1], q2[v1])
+    return out
+
+
+def _policy_length(q1, q2, v1, v2, threshold, peek_at_draws: bool):
+    """The verified length the policy's own code gives one sampled request whose drafts
+    are (v1, v2). peek_at_draws: the rule that reads q(v_t), the negative control."""
+    cand = torch.arange(3).repeat(1, 2, 1)
+    probs = torch.tensor(np.stack([q1, q2[v1]]), dtype=torch.float32)[None]
+    draft = torch.tensor([[v1, v2]])
+    S = torch.zeros(1, 2, 3, 3)
+    if peek_at_draws:
+        conf = probs[0].gather(1, draft.T).T.numpy()
+    else:
+        conf = draft_confidence(S, cand, probs, draft, torch.tensor([False])).numpy()
+    alpha = AcceptanceCalibrator(2).predict(conf, np.array([False]))
+    G = np.cumprod(alpha, axis=1)
+    choice = choose_lengths(G, np.array([2]), np.array([SAMPLED]), threshold,
+                            FixedCost(0.01, 0.001, 0.0).verify, 0.0, 0.0, 1 << 20)
+    return int(choice.lengths[0])
+
+
+def test_sampled_rule_is_lossless_and_the_drawn_token_rule_is_not():
+    """Exact enumeration over a 3-token vocabulary and two drafts: with the policy's
+    rule (position t verified iff prod_{s<=t} alpha(max q_s) >= last step's threshold),
+    the first two emitted tokens are distributed exactly as the target's (to 1e-12),
+    although the verified length varies with v1. The same code fed q_t(v_t) (the drawn
+    token's own probability) as confidence skews the output by more than 0.02 in total
+    variation: the test has power against the mistake it guards."""
+    p1 = np.array([0.2, 0.5, 0.3])
+    p2 = np.array([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8], [0.3, 0.4, 0.3]])
+    q1 = np.array([0.6, 0.3, 0.1])
+    q2 = np.array([[0.9, 0.05, 0.05], [0.2, 0.5, 0.3], [0.34, 0.33, 0.33]])
+    target = p1[:, None] * p2
+    threshold = 0.3
+    good = _exact_first_two_tokens(
+        p1, p2, q1, q2, lambda a, b: _policy_length(q1, q2, a, b, threshold, False))
+    lengths = {_policy_length(q1, q2, a, b, threshold, False)
+               for a, b in itertools.product(range(3), range(3))}
+    assert len(lengths) > 1, "the test needs the length to vary"
+    np.testing.assert_allclose(good, target, atol=1e-12)
+    bad = _exact_first_two_tokens(
+        p1, p2, q1, q2, lambda a, b: _policy_length(q1, q2, a, b, threshold, True))
+    assert 0.5 * np.abs(bad - target).sum() > 0.02

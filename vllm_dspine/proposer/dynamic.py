@@ -1,0 +1,511 @@
+"""Dynamic verification: how many of a block's 15 drafts each request sends to the
+target, chosen per step to maximise committed tokens per unit of step time
+(docs/dynamic-verification.md).
+
+The block is always drafted whole; only verification is shortened. Per request i and
+draft position t the policy needs
+
+  alpha[i, t]   the probability that draft t is accepted given drafts < t were:
+                `AcceptanceCalibrator` maps a confidence read off the tail
+                (`draft_confidence`) to the acceptance vLLM actually observed;
+  G[i, t]       = prod_{s <= t} alpha[i, s], the chance that position t is reached and
+                accepted: the expected tokens verifying it adds;
+  T(N)          the wall time of one engine step whose target forward holds N tokens
+                (`MeasuredStepCost`, fitted on the running engine), plus the drafter's
+                own time per step.
+
+The batch's rate is (R + sum of the chosen G) / (T(R + chosen drafts) + drafter time);
+because G[i, .] falls with t, the best choice of m drafts is the m largest G, so the
+optimum is one pass over m = 0 .. 15 R.
+
+Lossless by construction. A greedy request's output is the target's argmax chain
+whatever is verified, so its length may use everything. A sampled request's draft v_t
+is drawn from q_t(. | v_{t-1}); exact speculative sampling stays exact for a verified
+length n only if the event {n > t} does not depend on v_t or later draws (otherwise the
+verified v_t is no longer distributed as q_t). So for sampled requests:
+  * the confidence of position t is max_v q_t(v | v_{t-1}) (known before v_t is drawn),
+    never q_t(v_t);
+  * the length is n = #{t : G[i, t] >= lambda} with lambda fixed by the previous step
+    (history), not by this step's drafts;
+  * requests with their own seed keep the fixed length so that the seed reproduces the
+    text (the verified length changes how many random numbers verification draws).
+`tests/test_dynamic_policy.py` checks the rule exactly on a small vocabulary, with the
+rule that uses q_t(v_t) as the negative control.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from vllm.logger import init_logger
+
+# Under vLLM's "vllm" logger, whose handlers vLLM configures in every process (a
+# logger named after this module would print nothing in the engine process).
+logger = init_logger("vllm.dspine.dynamic_verification")
+
+# Kinds of request for the policy.
+GREEDY = 0  # temperature 0: any length is lossless; the length uses the full chain
+SAMPLED = 1  # random, no own seed: length by last step's threshold (see above)
+FIXED = 2  # random with its own seed, or probed this step: verified at the step's cap
+
+WARMUP_CAPS = (15, 0, 8, 2, 15, 4, 1, 0)  # lengths tried while the cost model is empty
+SKIP_AFTER = 8  # drafted steps in a row that did not pay before the drafter is skipped
+PROBE_MIN, PROBE_MAX = 16, 512  # steps between probes while skipping (doubling)
+EXPLORE_EVERY = 64  # steps between probes while drafting (acceptance of long prefixes)
+PROBES_PER_REQUESTS = 16  # one probed request per this many requests
+LOG_EVERY_S = 30.0
+
+
+@dataclass(frozen=True)
+class FixedCost:
+    """An injected cost model (the `dspine_verify_cost` option): verification step
+    `step_s + token_s * N` seconds for N target tokens, the drafter `draft_s` a step."""
+
+    step_s: float
+    token_s: float
+    draft_s: float
+
+    @classmethod
+    def from_option(cls, d: dict) -> "FixedCost":
+        return cls(float(d["step_s"]), float(d["token_s"]), float(d["draft_s"]))
+
+    def verify(self, n_tokens):
+        return self.step_s + self.token_s * np.asarray(n_tokens, dtype=np.float64)
+
+    @property
+    def ready(self) -> bool:
+        return True
+
+
+class MeasuredStepCost:
+    """T(N): seconds of one engine step (scheduler, target forward over N tokens,
+    sampling, bookkeeping; the drafter is timed separately) as measured on the running
+    engine. Samples are pooled in quarter-octave bins of N (exponentially weighted
+    means); T is the piecewise-linear curve through the bins, made non-decreasing,
+    extended past the ends with the slope of the nearest segment (never negative). Flat
+    then linear (a GPU below its compute knee) and linear (this CPU) both fit."""
+
+    EW = 0.1  # weight of a new sample once a bin has 10
+
+    def __init__(self) -> None:
+        self._bins: dict[int, list[float]] = {}  # key -> [mean N, mean T, count]
+        self._rejected_in_row = 0
+        self._curve: tuple[np.ndarray, np.ndarray] | None = None
+
+    @staticmethod
+    def _key(n: float) -> int:
+        return int(math.floor(4 * math.log2(max(n, 1.0))))
+
+    @property
+    def ready(self) -> bool:
+        c = self._points()
+        return c is not None and c[0][-1] >= 2 * c[0][0]
+
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        if n_tokens <= 0 or not seconds > 0:
+            return
+        if self.ready:
+            expected = float(self.verify(n_tokens))
+            # An idle gap or a step the drafter never saw: not a step of N tokens.
+            if seconds > 4 * expected + 0.05 and self._rejected_in_row < 8:
+                self._rejected_in_row += 1
+                return
+        self._rejected_in_row = 0
+        b = self._bins.setdefault(self._key(n_tokens), [float(n_tokens), seconds, 0.0])
+        b[2] += 1
+        w = max(1.0 / b[2], self.EW)
+        b[0] += w * (n_tokens - b[0])
+        b[1] += w * (seconds - b[1])
+        self._curve = None
+
+    def _points(self) -> tuple[np.ndarray, np.ndarray] | None:
+        if self._curve is None and len(self._bins) >= 2:
+            pts = sorted((b[0], b[1]) for b in self._bins.values())
+            n = np.array([p[0] for p in pts])
+            t = np.maximum.accumulate(np.array([p[1] for p in pts]))
+            self._curve = (n, t)
+        return self._curve
+
+    def verify(self, n_tokens):
+        c = self._points()
+        if c is None:
+            raise RuntimeError("MeasuredStepCost has fewer than two operating points")
+        n, t = c
+        x = np.asarray(n_tokens, dtype=np.float64)
+        y = np.interp(x, n, t)
+        lo = max((t[1] - t[0]) / max(n[1] - n[0], 1e-9), 0.0)
+        hi = max((t[-1] - t[-2]) / max(n[-1] - n[-2], 1e-9), 0.0)
+        y = np.where(x < n[0], np.maximum(t[0] - lo * (n[0] - x), 0.0), y)
+        return np.where(x > n[-1], t[-1] + hi * (x - n[-1]), y)
+
+    def describe(self) -> str:
+        c = self._points()
+        if c is None:
+            return "no data"
+        return ", ".join(f"T({int(round(a))})={1e3 * b:.1f}ms" for a, b in zip(*c))
+
+
+class EWLinear:
+    """seconds ~ a + b * x by exponentially weighted least squares (the drafter's time
+    against the number of requests drafted)."""
+
+    def __init__(self, decay: float = 0.95) -> None:
+        self.decay = decay
+        self._s = np.zeros(5)  # sum w, w x, w x^2, w y, w x y
+
+    @property
+    def ready(self) -> bool:
+        return self._s[0] > 0
+
+    def observe(self, x: float, y: float) -> None:
+        self._s *= self.decay
+        self._s += np.array([1.0, x, x * x, y, x * y])
+
+    def __call__(self, x: float) -> float:
+        w, sx, sxx, sy, sxy = self._s
+        if w <= 0:
+            return 0.0
+        det = w * sxx - sx * sx
+        if det <= 1e-9 * max(w * sxx, 1e-30):
+            return sy / w
+        b = (w * sxy - sx * sy) / det
+        a = (sy - b * sx) / w
+        return max(a + b * x, 0.0)
+
+
+class AcceptanceCalibrator:
+    """alpha = P(draft t accepted | drafts < t accepted, confidence c), per kind (greedy
+    or sampled), position group (draft 1, 2-3, 4-7, 8-15) and confidence bin. A bin starts
+    from its own confidence as the estimate (two pseudo-observations) and follows the
+    acceptances vLLM reports; old observations fade (counts halve past 400)."""
+
+    EDGES = np.array([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0])
+    PRIOR = 2.0
+    MAX_TRIALS = 400.0
+
+    def __init__(self, num_positions: int) -> None:
+        nb = len(self.EDGES) - 1
+        self._group = np.array([min(int(math.log2(t + 1)), 4) for t in range(num_positions)])
+        centers = (self.EDGES[:-1] + self.EDGES[1:]) / 2
+        self._prior = np.broadcast_to(centers, (2, 5, nb)).copy()
+        self.success = np.zeros((2, 5, nb))
+        self.trials = np.zeros((2, 5, nb))
+
+    def _bin(self, conf: np.ndarray) -> np.ndarray:
+        return np.clip(np.searchsorted(self.EDGES, conf, side="right") - 1, 0,
+                       len(self.EDGES) - 2)
+
+    def predict(self, conf: np.ndarray, greedy: np.ndarray) -> np.ndarray:
+        """conf [R, K] in [0, 1], greedy [R] bool -> alpha [R, K]."""
+        R, K = conf.shape
+        kind = np.where(greedy, 0, 1)[:, None].repeat(K, axis=1)
+        group = np.broadcast_to(self._group[:K], (R, K))
+        b = self._bin(conf)
+        s, n = self.success[kind, group, b], self.trials[kind, group, b]
+        return (s + self.PRIOR * self._prior[kind, group, b]) / (n + self.PRIOR)
+
+    def observe(self, conf: np.ndarray, greedy: bool, accepted: int, verified: int) -> None:
+        """One verification: drafts 0..accepted-1 accepted, draft `accepted` rejected
+        (if accepted < verified); later drafts were not tested."""
+        self.observe_many([(conf, greedy, accepted, verified)])
+
+    def observe_many(self, verifications) -> None:
+        """observe() for several (conf, greedy, accepted, verified) at once."""
+        kinds, groups, bins, hits = [], [], [], []
+        for conf, greedy, accepted, verified in verifications:
+            tested = min(accepted + 1, verified)
+            if tested <= 0:
+                continue
+            t = np.arange(tested)
+            kinds.append(np.full(tested, 0 if greedy else 1))
+            groups.append(self._group[t])
+            bins.append(self._bin(np.asarray(conf[:tested])))
+            hits.append((t < accepted).astype(np.float64))
+        if not kinds:
+            return
+        idx = (np.concatenate(kinds), np.concatenate(groups), np.concatenate(bins))
+        np.add.at(self.trials, idx, 1.0)
+        np.add.at(self.success, idx, np.concatenate(hits))
+        full = self.trials > self.MAX_TRIALS
+        if full.any():
+            self.trials[full] /= 2
+            self.success[full] /= 2
+
+
+def draft_confidence(
+    S: torch.Tensor,  # [R, K, k, k]  the tail's score tables
+    cand_ids: torch.Tensor,  # [R, K, k]
+    cand_probs: torch.Tensor,  # [R, K, k]  q each draft was drawn from (greedy: one-hot)
+    draft_ids: torch.Tensor,  # [R, K]
+    greedy: torch.Tensor,  # [R] bool
+) -> torch.Tensor:  # [R, K] float32 in [0, 1]
+    """The confidence the policy reads per draft position.
+
+    Greedy rows: softmax (temperature 1) of the table row the walk used,
+    S[t](v_{t-1}, .), at the chosen candidate (its argmax): the tail's own probability of
+    its choice. Sampled rows: max_v q_t(v | v_{t-1}), the peak of the distribution the
+    draft was drawn from; known before the draw, as losslessness needs (module doc)."""
+    R, K, k = cand_ids.shape
+    chosen = (cand_ids == draft_ids[..., None]).to(torch.int8).argmax(dim=-1)  # [R, K]
+    prev = torch.cat([torch.zeros_like(chosen[:, :1]), chosen[:, :-1]], dim=1)  # [R, K]
+    rows = S.gather(2, prev[:, :, None, None].expand(R, K, 1, k)).squeeze(2)  # [R, K, k]
+    p = torch.softmax(rows.double(), dim=-1).gather(2, chosen[..., None]).squeeze(2)
+    peak = cand_probs.double().amax(dim=-1)
+    return torch.where(greedy.to(S.device)[:, None], p, peak).float()
+
+
+@dataclass
+class Choice:
+    lengths: np.ndarray  # [R] int
+    threshold: float  # lambda for the next step's sampled requests
+    rho_draft: float  # best expected tokens/s with the drafter
+    rho_plain: float  # expected tokens/s without it
+
+
+def _best_prefix(gains: np.ndarray, tokens0: float, n0: int, verify, fixed_s: float,
+                 max_extra: int) -> tuple[int, float]:
+    """argmax over m of (tokens0 + sum of the m largest gains) / (T(n0 + m) + fixed_s);
+    gains sorted descending. Ties go to the smaller m."""
+    M = max(0, min(len(gains), max_extra))
+    cum = np.concatenate([[0.0], np.cumsum(gains[:M])])
+    times = verify(n0 + np.arange(M + 1)) + fixed_s
+    rate = (tokens0 + cum) / np.maximum(times, 1e-12)
+    m = int(np.argmax(rate))
+    return m, float(rate[m])
+
+
+def choose_lengths(
+    G: np.ndarray,  # [R, K] cumulative acceptance, non-increasing along K
+    caps: np.ndarray,  # [R] int: most drafts request i may verify (0: none)
+    kinds: np.ndarray,  # [R] GREEDY / SAMPLED / FIXED
+    threshold: float | None,  # lambda from the previous step (None: none yet)
+    verify,  # N -> seconds of a verification step (vectorised)
+    draft_s: float,  # the drafter's time a step
+    context_s: float,  # the context-only drafter path (no block) a step
+    max_tokens: int,  # the step's token budget
+) -> Choice:
+    R, K = G.shape
+    live = caps > 0
+    lengths = np.zeros(R, dtype=np.int64)
+    tokens0 = float(live.sum())  # each request commits its bonus/correction token
+    n0 = int(live.sum())
+    within = np.arange(K)[None, :] < caps[:, None]  # [R, K]
+    # FIXED: the cap.
+    fixed = live & (kinds == FIXED)
+    lengths[fixed] = caps[fixed]
+    tokens0 += float((G * within)[fixed].sum())
+    n0 += int(caps[fixed].sum())
+    # SAMPLED: the previous step's threshold (a prefix: G falls along K).
+    sampled = live & (kinds == SAMPLED)
+    take = within if threshold is None else within & (G >= threshold)
+    lengths[sampled] = take[sampled].sum(axis=1)
+    tok_s = tokens0 + float((G * take)[sampled].sum())
+    n_s = n0 + int(lengths[sampled].sum())
+
+    def entries(mask):
+        rows, cols = np.nonzero(mask[:, None] & (np.arange(K)[None, :] < caps[:, None]))
+        g = G[rows, cols]
+        order = np.lexsort((cols, -g))  # gain descending, then position ascending
+        return rows[order], g[order]
+
+    # GREEDY: the best prefix given the others.
+    greedy = live & (kinds == GREEDY)
+    rows, g = entries(greedy)
+    m, _ = _best_prefix(g, tok_s, n_s, verify, draft_s, max_tokens - n_s)
+    np.add.at(lengths, rows[:m], 1)
+    # The threshold for the next step, and whether drafting pays: the joint optimum
+    # over every request whose length the policy chooses.
+    rows, g = entries(greedy | sampled)
+    m, rho = _best_prefix(g, tokens0, n0, verify, draft_s, max_tokens - n0)
+    n_star = n0 + m
+    slope = float(verify(n_star + 1) - verify(n_star))
+    lam = rho * max(slope, 0.0)
+    plain = float(live.sum()) / max(float(verify(int(live.sum()))) + context_s, 1e-12)
+    return Choice(lengths, lam, rho, plain)
+
+
+@dataclass
+class Plan:
+    draft: bool
+    probe: set = field(default_factory=set)  # batch indices verified at the cap
+
+
+class DynamicVerifier:
+    """The policy's state across steps for one engine (one proposer).
+
+    Per step the proposer calls `begin` (with what vLLM verified since the last call),
+    `plan` (draft at all?), then `choose` (after drafting) or `context_only`, and `end`.
+    """
+
+    def __init__(self, num_proposals: int, cost: FixedCost | None = None,
+                 max_batch_tokens: int = 1 << 30,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.K = num_proposals
+        self.injected = cost
+        self.verify_cost = cost if cost is not None else MeasuredStepCost()
+        self.draft_cost = EWLinear()
+        self.context_cost = EWLinear()
+        self.calibrator = AcceptanceCalibrator(num_proposals)
+        self.max_batch_tokens = max_batch_tokens
+        self.clock = clock
+        self.threshold: float | None = None
+        self.steps = 0
+        self.skipping = False
+        self.unpaid = 0
+        self.probe_interval = PROBE_MIN
+        self.since_probe = 0
+        self.probe_cursor = 0
+        self._probing = False
+        self._last: dict[str, tuple[np.ndarray, bool]] = {}
+        self._prev_ids: set[str] = set()
+        self._t_begin: float | None = None
+        self._t_end: float | None = None
+        self._warm = 0
+        # Summary since the last log line.
+        self.hist = np.zeros(num_proposals + 1, dtype=np.int64)
+        self.steps_drafted = 0
+        self.steps_context = 0
+        self._last_log = clock()
+
+    # -------------------------------------------------------------- bookkeeping
+    @property
+    def ready(self) -> bool:
+        return self.verify_cost.ready and (self.injected is not None or self.draft_cost.ready)
+
+    def draft_seconds(self, num_reqs: int) -> float:
+        return self.injected.draft_s if self.injected is not None else self.draft_cost(num_reqs)
+
+    def context_seconds(self, num_reqs: int) -> float:
+        return 0.0 if self.injected is not None else self.context_cost(num_reqs)
+
+    def begin(self, req_ids: list[str], verified: list[int], rejected: list[int] | None,
+              num_tokens: int) -> None:
+        """verified[i]: drafts vLLM verified for request i in the step that just ran;
+        rejected[i]: how many of them it rejected (None when no request had drafts);
+        num_tokens: tokens of that step's target forward."""
+        now = self.clock()
+        if self._t_end is not None and self.injected is None and self._prev_ids & set(req_ids):
+            self.verify_cost.observe(num_tokens, now - self._t_end)
+        if rejected is not None and self._last:
+            seen = []
+            for i, rid in enumerate(req_ids):
+                last = self._last.get(rid)
+                n = verified[i]
+                if last is None or n <= 0:
+                    continue
+                conf, greedy = last
+                n = min(n, len(conf))
+                seen.append((conf, greedy, min(max(n - int(rejected[i]), 0), n), n))
+            self.calibrator.observe_many(seen)
+        self._t_begin = now
+
+    def plan(self, kinds: np.ndarray, caps: np.ndarray) -> Plan:
+        self.steps += 1
+        live = caps > 0
+        self._probing = False
+        if not live.any():
+            return Plan(False)
+        if (live & (kinds == FIXED)).any() or not self.ready:
+            return Plan(True)
+        self.since_probe += 1
+        if self.skipping and self.since_probe < self.probe_interval:
+            return Plan(False)
+        if not self.skipping and self.since_probe < EXPLORE_EVERY:
+            return Plan(True)
+        self.since_probe = 0
+        self._probing = True
+        dyn = np.nonzero(live & (kinds != FIXED))[0]
+        count = max(1, -(-len(dyn) // PROBES_PER_REQUESTS))
+        picked = {int(dyn[(self.probe_cursor + j) % len(dyn)]) for j in range(count)}
+        self.probe_cursor += count
+        return Plan(True, picked)
+
+    def choose(self, req_ids: list[str], kinds: np.ndarray, caps: np.ndarray,
+               conf: np.ndarray, plan: Plan) -> np.ndarray:
+        """conf [R, K] from `draft_confidence`; returns the verified length per request."""
+        greedy = kinds == GREEDY  # also the kind of what a probe of it observes
+        kinds = kinds.copy()
+        for i in plan.probe:
+            kinds[i] = FIXED
+        if not self.ready:
+            cap = WARMUP_CAPS[self._warm % len(WARMUP_CAPS)]
+            self._warm += 1
+            lengths = np.where(kinds == FIXED, caps, np.minimum(caps, cap))
+        else:
+            alpha = np.clip(self.calibrator.predict(conf, greedy), 0.0, 1.0)
+            G = np.cumprod(alpha, axis=1)
+            R = len(req_ids)
+            choice = choose_lengths(G, caps, kinds, self.threshold, self.verify_cost.verify,
+                                    self.draft_seconds(R), self.context_seconds(R),
+                                    self.max_batch_tokens)
+            lengths = choice.lengths
+            self.threshold = choice.threshold
+            pays = choice.rho_draft > choice.rho_plain
+            if self.skipping:
+                if pays:
+                    self.skipping, self.unpaid, self.probe_interval = False, 0, PROBE_MIN
+                elif self._probing:
+                    self.probe_interval = min(2 * self.probe_interval, PROBE_MAX)
+            else:
+                self.unpaid = 0 if pays else self.unpaid + 1
+                if self.unpaid >= SKIP_AFTER:
+                    self.skipping, self.since_probe = True, 0
+        self._last = {rid: (conf[i], bool(greedy[i]))
+                      for i, rid in enumerate(req_ids) if lengths[i] > 0}
+        np.add.at(self.hist, lengths[caps > 0], 1)
+        self.steps_drafted += 1
+        return lengths
+
+    def context_only(self, caps: np.ndarray) -> None:
+        self._last = {}
+        self.hist[0] += int((caps > 0).sum())
+        self.steps_context += 1
+
+    def end(self, req_ids: list[str], drafted: bool) -> None:
+        now = self.clock()
+        if self._t_begin is not None:
+            (self.draft_cost if drafted else self.context_cost).observe(
+                len(req_ids), now - self._t_begin)
+        self._t_end = now
+        self._prev_ids = set(req_ids)
+        if now - self._last_log >= LOG_EVERY_S:
+            self.log_summary(now)
+
+    # ------------------------------------------------------------------ summary
+    def summary(self) -> dict:
+        total = int(self.hist.sum())
+        return {
+            "request_steps": total,
+            "verified_hist": self.hist.tolist(),
+            "mean_verified": float((self.hist * np.arange(len(self.hist))).sum() / total)
+            if total else 0.0,
+            "steps_drafted": self.steps_drafted,
+            "steps_context_only": self.steps_context,
+            "skipping": self.skipping,
+            "threshold": self.threshold,
+            "cost": (self.verify_cost.describe() if isinstance(self.verify_cost,
+                                                                MeasuredStepCost)
+                     else repr(self.injected)),
+        }
+
+    def log_summary(self, now: float | None = None) -> None:
+        s = self.summary()
+        if s["request_steps"]:
+            hist = " ".join(f"{n}:{c}" for n, c in enumerate(s["verified_hist"]) if c)
+            logger.info(
+                "DSpine dynamic verification: %d request-steps, %.2f drafts verified per "
+                "request-step (length:count %s); drafter ran in %d steps, context only "
+                "in %d%s; sampled threshold %s; step cost %s", s["request_steps"],
+                s["mean_verified"], hist, s["steps_drafted"], s["steps_context_only"],
+                " (skipping the drafter, probing)" if s["skipping"] else "",
+                "none yet" if s["threshold"] is None else f"{s['threshold']:.3f}",
+                s["cost"])
+        self.hist[:] = 0
+        self.steps_drafted = self.steps_context = 0
+        self._last_log = self.clock() if now is None else now
