@@ -337,3 +337,24 @@ def test_missing_q_without_runner_or_cache_gives_q_zero():
         meta, q.cand_ids, q.cand_probs, logits.clone(),
         _sampling_metadata([1.0, 0.7], 64, {}, drafts=drafts))
     assert torch.equal(a.sampled_token_ids, b.sampled_token_ids)
+
+
+@pytest.mark.parametrize("top_p", [False, True], ids=["top-k-only", "top-k-top-p"])
+def test_step_without_any_draft(top_p):
+    """vLLM calls the rejection sampler on every step once speculation is configured,
+    also when no request of the step has a draft (prefills, or a policy that verifies
+    nothing). Random requests with top-k only used to crash there (vLLM's
+    `apply_top_k_only` takes the max of an empty k); the output is the bonus tokens,
+    as vLLM's sampler draws them."""
+    num_draft_tokens = [0, 0, 0]
+    logits, meta, drafts, q = _batch(num_draft_tokens, 64, seed=23)
+    sm = _sampling_metadata([1.0, 0.7, 0.0], 64, {}, top_k=torch.tensor([3, 5, 64]),
+                            top_p=torch.tensor([0.9, 1.0, 1.0]) if top_p else None,
+                            drafts=drafts)
+    torch.manual_seed(0)
+    out = SparseRejectionSampler(Sampler())(meta, q.cand_ids, q.cand_probs,
+                                            logits.clone(), sm)
+    assert out.sampled_token_ids.shape == (3, 1)
+    torch.manual_seed(0)
+    want = Sampler()(logits.clone(), sm, predict_bonus_token=True).sampled_token_ids
+    assert torch.equal(out.sampled_token_ids, want.to(out.sampled_token_ids.dtype))

@@ -121,7 +121,10 @@ def apply_draft_sampling_constraints(
     """Temperature, min-p, top-k and top-p on the draft rows, in the order and with
     the formulas of vLLM's `Sampler.sample` (greedy requests get temperature 1 and
     are read through their argmax only)."""
-    if sampling_metadata.all_greedy:
+    if sampling_metadata.all_greedy or logits.shape[0] == 0:
+        # No draft rows: vLLM 0.32.0 builds spec-decode metadata for every step once
+        # speculation is configured, drafts or not, and its top-k-only CPU path
+        # (`apply_top_k_only`) takes `k.max()` of the empty per-row k and raises.
         return logits
     temperature = sampling_metadata.temperature
     temperature = torch.where(temperature == GREEDY_TEMPERATURE, 1.0, temperature)
