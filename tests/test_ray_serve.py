@@ -461,9 +461,15 @@ def test_shutdown_leaves_no_process_and_no_port(cluster):
     except AssertionError:
         left = [(p.pid, " ".join(p.cmdline())[:100]) for p in _marked_processes(cluster.marker)]
         raise AssertionError(f"processes left after shutdown: {left}") from None
-    listening = {c.laddr.port for c in psutil.net_connections(kind="inet")
-                 if c.status == psutil.CONN_LISTEN}
-    assert not (ports & listening), sorted(ports & listening)
+    def still_listening():
+        return ports & {c.laddr.port for c in psutil.net_connections(kind="inet")
+                        if c.status == psutil.CONN_LISTEN}
+
+    # Ray's helper processes that do not carry the marker (spawned with a fresh
+    # environment) can take a few seconds longer to go on a loaded machine; a port that
+    # is still held after a minute is a leak.
+    _wait_for(lambda: not still_listening(), 60,
+              f"the cluster's ports to close ({sorted(ports)})")
 
 
 # --------------------------------------------------- no cluster: checks in the caller
