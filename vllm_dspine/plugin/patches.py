@@ -512,12 +512,44 @@ def _check_variable_draft_path() -> None:
                            f"in vLLM {installed_vllm_version()}")
 
 
+def _patch_build_logitsprocs() -> None:
+    """vLLM 0.32.0's `build_logitsprocs` (imported by name into gpu_model_runner, which
+    the CPU runner inherits) builds only MinTokens once speculation is configured, so
+    min_p and logit_bias would be silently ignored under DSpine (patch 4 lifts vLLM's
+    request-time refusal for DSpine, and our verifier applies both). For a DSpine draft
+    build vLLM's full built-in set, as without speculation."""
+    import vllm.v1.worker.gpu_model_runner as gmr
+    from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, LogitsProcessors
+
+    original = _require(gmr, "build_logitsprocs", "gpu_model_runner.build_logitsprocs")
+    if getattr(original, "_dspine_patched", False):
+        return
+    _require_params(original, ["vllm_config", "device", "is_pin_memory", "is_pooling_model",
+                               "custom_logitsprocs"], "build_logitsprocs")
+
+    @functools.wraps(original)
+    def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model,
+                          custom_logitsprocs=()):
+        from vllm_dspine.plugin.hf_config import is_dspine_draft
+
+        if (not is_pooling_model and not custom_logitsprocs
+                and is_dspine_draft(vllm_config.speculative_config)):
+            return LogitsProcessors(ctor(vllm_config, device, is_pin_memory)
+                                    for ctor in BUILTIN_LOGITS_PROCESSORS)
+        return original(vllm_config, device, is_pin_memory, is_pooling_model,
+                        custom_logitsprocs)
+
+    build_logitsprocs._dspine_patched = True
+    gmr.build_logitsprocs = build_logitsprocs
+
+
 def apply_patches() -> None:
     """Apply every patch once per process (idempotent)."""
     check_vllm_version()
     for patch in (_patch_create_speculative_config, _patch_dflash_proposer_factory,
                   _patch_cpu_expand_kernel, _patch_sampling_params_spec_validation,
                   _patch_cpu_generator_rewind, _patch_cpu_grouped_rms_norm,
-                  _patch_verified_length_metric, _check_variable_draft_path):
+                  _patch_verified_length_metric, _check_variable_draft_path,
+                  _patch_build_logitsprocs):
         patch()
         _APPLIED.add(patch.__name__)
