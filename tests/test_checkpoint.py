@@ -203,6 +203,32 @@ def test_config_errors_name_the_field(edit, field):
         DSpineConfig.from_dict(d)
 
 
+@pytest.mark.parametrize("vocab, words", [
+    pytest.param(list(range(5, 300, 2))[::-1], "strictly increasing", id="unsorted"),
+    pytest.param([1, 1] + list(range(2, 200)), "strictly increasing", id="repeated"),
+    pytest.param(list(range(100, 302)), r"\[0, vocab_size", id="out-of-range"),
+    pytest.param(list(range(10)), "fewer than 'coarse_topk'", id="too-few"),
+    pytest.param("all", "strictly increasing", id="not-a-list"),
+])
+def test_retrieval_vocab_errors_name_the_field(vocab, words):
+    d = copy.deepcopy(SMALL)
+    d["dspine_config"]["retrieval_vocab"] = vocab
+    with pytest.raises(ValueError, match=f"'retrieval_vocab'.*{words}|{words}.*'retrieval_vocab'"):
+        DSpineConfig.from_dict(d)
+
+
+def test_retrieval_vocab_round_trips():
+    d = copy.deepcopy(SMALL)
+    assert DSpineConfig.from_dict(d).retrieval_vocab is None
+    assert "retrieval_vocab" not in DSpineConfig.from_dict(d).to_dict()["dspine_config"]
+    vocab = list(range(3, 300, 2))
+    d["dspine_config"]["retrieval_vocab"] = vocab
+    cfg = DSpineConfig.from_dict(d)
+    assert cfg.retrieval_vocab == tuple(vocab)
+    again = DSpineConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again == cfg and again.retrieval_vocab == tuple(vocab)
+
+
 def test_loader_reports_config_field(tmp_path, cfg):
     save_draft_checkpoint(str(tmp_path), cfg, random_draft_tensors(cfg, seed=0))
     d = cfg.to_dict()

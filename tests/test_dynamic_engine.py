@@ -201,10 +201,12 @@ def test_greedy_identical_with_the_measured_policy(pair, plain_llm):
 
 
 # ------------------------------------------------- vLLM's batch-size schedule
-def _check_drafts_against_reference(pair, dump_dir, seqs) -> int:
+def _check_drafts_against_reference(pair, dump_dir, seqs, vocab=None) -> int:
     """Each dumped drafting step against the reference drafter (model/drafter.py) on
-    the committed text: final states, candidates and greedy drafts. Returns the number
-    of (step, request) checked."""
+    the committed text: final states, candidates and greedy drafts. A step that drafted
+    only the block's first n rows (the schedule or the policy capped verification at n)
+    must equal the first n rows of the reference's full 16-row block. Returns
+    (number of (step, request) checked, rows per request of each checked step)."""
     from test_vllm_e2e import _target_features
 
     from vllm_dspine.kernels.retrieval import retrieve_candidates
@@ -213,10 +215,10 @@ def _check_drafts_against_reference(pair, dump_dir, seqs) -> int:
     from vllm_dspine.model.drafter import block_forward
 
     cfg, tensors = load_draft_checkpoint(pair.draft_dir)
-    K = cfg.num_proposals
-    cache, checked = {}, 0
+    cache, checked, rows_seen = {}, 0, []
     for path in sorted(glob.glob(os.path.join(dump_dir, "*.pt"))):
         step = torch.load(path)
+        K = step["draft_token_ids"].shape[1]  # drafts this step's block computed
         for r, req_id in enumerate(step["req_ids"]):
             seq = seqs[req_id.split("-")[0]]
             p = int(step["anchor_positions"][r])
@@ -230,18 +232,23 @@ def _check_drafts_against_reference(pair, dump_dir, seqs) -> int:
             out = block_forward(cfg, tensors, target.model.embed_tokens.weight.detach(),
                                 head, torch.tensor([seq]), feats[None], torch.tensor([[p]]))
             final = out.final_hidden[0, 0]
-            torch.testing.assert_close(step["final_hidden"][r * K:(r + 1) * K], final[1:],
-                                       rtol=1e-4, atol=1e-4)
-            cand = retrieve_candidates(final[1:], head, cfg.head_topk, cfg.coarse_topk,
-                                       None, mode="bf16")
-            assert torch.equal(cand, step["cand_ids"][r])
+            torch.testing.assert_close(step["final_hidden"][r * K:(r + 1) * K],
+                                       final[1:K + 1], rtol=1e-4, atol=1e-4)
+            if vocab is None:
+                cand = retrieve_candidates(final[1:], head, cfg.head_topk, cfg.coarse_topk,
+                                           None, mode="bf16")
+            else:  # retrieval over the listed head rows only, mapped back to token ids
+                cand = vocab[retrieve_candidates(final[1:], head[vocab], cfg.head_topk,
+                                                 cfg.coarse_topk, None, mode="bf16")]
+            assert torch.equal(cand[:K], step["cand_ids"][r])
             proposal = refine_last_write(
                 out.pre_write_state[0], out.last_codes[0], out.last_rms[0], cand[None],
                 torch.tensor([seq[p]]), bridge_weights(cfg, tensors), tensors["norm.weight"],
                 cfg.rms_norm_eps, head, torch.zeros(1))
-            assert torch.equal(proposal.draft_token_ids[0], step["draft_token_ids"][r])
+            assert torch.equal(proposal.draft_token_ids[0, :K], step["draft_token_ids"][r])
             checked += 1
-    return checked
+            rows_seen.append(K)
+    return checked, rows_seen
 
 
 def test_batch_size_schedule_is_exact(pair, plain_llm, tmp_path):
@@ -274,5 +281,44 @@ def test_batch_size_schedule_is_exact(pair, plain_llm, tmp_path):
     assert hist[0] > 0 and hist[4] > 0 and hist[15] > 0, hist
     seqs = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
             for o in outs}
-    checked = _check_drafts_against_reference(pair, dump_dir, seqs)
+    checked, rows = _check_drafts_against_reference(pair, dump_dir, seqs)
     assert checked >= 8, f"only {checked} drafting steps were checked"
+    # The schedule's 4-draft steps drafted a 5-row block, the 15-draft steps all 16 rows.
+    assert set(rows) == {4, 15}, sorted(set(rows))
+
+
+# ------------------------------------------------- a drafter's retrieval vocabulary
+def test_retrieval_vocab_restricts_the_candidates(pair, plain_llm, tmp_path):
+    """A drafter whose config.json lists `retrieval_vocab` (two thirds of the ids):
+    every candidate of every step is one of them, the candidates and greedy drafts equal
+    the reference retrieval over those head rows, and greedy output equals plain."""
+    import json
+    import shutil
+
+    from vllm import SamplingParams
+
+    draft = tmp_path / "draft"
+    shutil.copytree(pair.draft_dir, draft)
+    cfg = json.loads((draft / "config.json").read_text())
+    vocab = [i for i in range(cfg["vocab_size"]) if i % 3]
+    cfg["dspine_config"]["retrieval_vocab"] = vocab
+    (draft / "config.json").write_text(json.dumps(cfg))
+    dump_dir = str(tmp_path / "dump")
+    os.makedirs(dump_dir)
+    llm = _dspine_engine("vocab", pair, dspine_spec(str(draft), dspine_verify="fixed"),
+                         dump_dir=dump_dir)
+    prompts = prompts_of_lengths(6, longest=60)
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * len(prompts)
+    plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params)]
+    outs = llm.generate(prompts, params)
+    for i, (a, o) in enumerate(zip(plain, outs)):
+        assert list(a) == list(o.outputs[0].token_ids), f"prompt {i} differs"
+    allowed = torch.tensor(vocab)
+    dumps = sorted(glob.glob(os.path.join(dump_dir, "*.pt")))
+    assert dumps
+    for path in dumps:
+        assert torch.isin(torch.load(path)["cand_ids"], allowed).all(), path
+    seqs = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+            for o in outs}
+    checked, _ = _check_drafts_against_reference(pair, dump_dir, seqs, vocab=allowed)
+    assert checked >= 6, f"only {checked} drafting steps were checked"

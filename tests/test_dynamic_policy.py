@@ -18,6 +18,8 @@ from vllm_dspine.proposer.dynamic import (  # noqa: E402
     FIXED,
     GREEDY,
     PROBE_MIN,
+    PROBE_ROWS,
+    ROWS_MIN,
     SAMPLED,
     SKIP_AFTER,
     AcceptanceCalibrator,
@@ -56,7 +58,10 @@ def _step(v: DynamicVerifier, req_ids, kinds, conf, rejected=None, verified=None
         v.context_only(caps)
         v.end(req_ids, drafted=False)
         return False, np.zeros(R, dtype=int)
-    lengths = v.choose(req_ids, np.array(kinds), caps, conf, plan)
+    assert 1 <= plan.rows <= K
+    # The proposer drafts only the block's first plan.rows drafts.
+    lengths = v.choose(req_ids, np.array(kinds), caps, conf[:, :plan.rows], plan)
+    assert (lengths <= plan.rows).all()
     v.end(req_ids, drafted=True)
     return True, lengths
 
@@ -79,14 +84,15 @@ def test_zero_drafts_when_the_cost_model_says_verification_cannot_pay():
     assert drafted and list(lengths) == [0, 0]  # greedy alone: nothing pays
     for _ in range(SKIP_AFTER - 3):
         assert _step(v, ids, kinds, conf)[0]
-    # The drafter is skipped now, except at probes: one request verified in full (and
-    # beside its 15 tokens, a few confident drafts of the others may pay).
+    # The drafter is skipped now, except at probes: one request verified at all of the
+    # probe's PROBE_ROWS drafts (and beside its tokens, a few confident drafts of the
+    # others may pay).
     pattern = []
     for _ in range(PROBE_MIN * 7):
         drafted, lengths = _step(v, ids, kinds, conf)
         pattern.append(drafted)
         if drafted:
-            assert (lengths == K).sum() == 1
+            assert lengths.max() <= PROBE_ROWS and (lengths == PROBE_ROWS).sum() >= 1
     probes = [i + 1 for i, d in enumerate(pattern) if d]
     assert probes[:3] == [PROBE_MIN, 3 * PROBE_MIN, 7 * PROBE_MIN]
     assert v.summary()["skipping"]
@@ -108,13 +114,52 @@ def test_fifteen_drafts_when_acceptance_is_certain():
     assert not v.summary()["skipping"]
 
 
-def test_seeded_requests_keep_the_fixed_length():
+def _seeded_lengths(v: DynamicVerifier, accepted_of, others, conf_others, steps=40):
+    """Runs a seeded request "s" beside `others` (greedy); accepted_of(step, n) says how
+    many of its n verified drafts were accepted. -> its verified length per step."""
+    ids = ["s"] + [f"g{i}" for i in range(others)]
+    kinds = [FIXED] + [GREEDY] * others
+    conf = np.vstack([np.full((1, K), 0.5), conf_others])[: others + 1]
+    out, verified, rejected = [], [0] * (others + 1), None
+    for step in range(steps):
+        drafted, lengths = _step(v, ids, kinds, conf, rejected=rejected, verified=verified)
+        n = int(lengths[0])
+        out.append(n)
+        verified = [int(x) for x in lengths]
+        rejected = [n - accepted_of(step, n)] + [int(x) for x in lengths[1:]]
+    return out
+
+
+def test_seeded_requests_follow_their_own_history():
+    """A seeded request's verified length depends on what it verified and accepted
+    before, nothing else (its seed must reproduce its text): the same history gives the
+    same lengths whatever the cost model and whoever else is in the batch. The rule:
+    all accepted -> double, else accepted + 1; two verifications with nothing accepted
+    -> 0 for a wait that doubles while probes fail, then a 1-draft probe."""
+    pattern = lambda step, n: n if step % 5 < 3 else 0  # noqa: E731
+    a = _seeded_lengths(DynamicVerifier(K, FixedCost(0.0, 1.0, 0.0)), pattern, 0,
+                        np.zeros((0, K)))
+    b = _seeded_lengths(DynamicVerifier(K, FixedCost(0.01, 0.0001, 0.0)), pattern, 3,
+                        np.ones((3, K)))
+    assert a == b
+    assert a[:8] == [4, 8, 15, 15, 1, 0, 0, 0]
+    never = _seeded_lengths(DynamicVerifier(K, FixedCost(0.0, 1.0, 0.0)),
+                            lambda step, n: 0, 0, np.zeros((0, K)), steps=80)
+    # 4 (nothing) -> 1 (nothing) -> wait 4 -> probe 1 ... waits 4, 8, 16, 32, 64.
+    assert never[:2] == [4, 1] and never[2:6] == [0, 0, 0, 0] and never[6] == 1
+    probes = [i for i, n in enumerate(never) if n]
+    gaps = np.diff(probes[1:])
+    assert list(gaps[:4]) == [5, 9, 17, 33]
+    assert sum(never) == len(probes[1:]) + 4
+
+
+def test_seeded_request_alone_does_not_force_the_drafter():
+    """Once its own rule gives a seeded request 0 drafts, a batch of it and greedy
+    requests whose drafts do not pay is not drafted (the fixed length used to force the
+    drafter every step)."""
     v = DynamicVerifier(K, FixedCost(step_s=0.0, token_s=1.0, draft_s=0.0))
-    for _ in range(3 * SKIP_AFTER):
-        drafted, lengths = _step(v, ["s", "g"], [FIXED, GREEDY], np.full((2, K), 0.02))
-        # A seeded request is drafted and verified in full every step (its seed then
-        # reproduces its text); the greedy one beside it gets what pays: nothing.
-        assert drafted and list(lengths) == [K, 0]
+    drafted = _seeded_lengths(v, lambda step, n: 0, 2, np.full((2, K), 0.02), steps=40)
+    assert sum(1 for n in drafted if n) <= 6
 
 
 def test_intermediate_lengths_follow_confidence():
@@ -127,6 +172,29 @@ def test_intermediate_lengths_follow_confidence():
     assert list(lengths) == sorted(lengths, reverse=True)
     assert lengths[0] > lengths[-1]
     assert any(0 < n < K for n in lengths)
+
+
+def test_row_budget_follows_the_chosen_lengths():
+    """Only rows that can be verified are drafted: with short chosen lengths the next
+    blocks shrink to one more than the longest (at least ROWS_MIN), one row a step at most; when
+    acceptance becomes certain the policy uses every row it has and the budget doubles
+    back to 15."""
+    v = DynamicVerifier(K, FixedCost(step_s=0.004, token_s=0.001, draft_s=0.0))
+    ids = ["a", "b"]
+    budgets, longest = [], []
+    for _ in range(20):
+        _, lengths = _step(v, ids, [GREEDY, GREEDY], np.full((2, K), 0.6))
+        budgets.append(v.row_budget)
+        longest.append(int(lengths.max()))
+    assert 0 < max(longest[-5:]) < 8
+    assert all(b - a <= 1 for a, b in zip(budgets[1:], budgets[:-1]))  # shrinks slowly
+    assert budgets[-1] == max(ROWS_MIN, longest[-1] + 1) < K
+    _certain(v.calibrator)
+    grown = []
+    for _ in range(6):
+        _, lengths = _step(v, ids, [GREEDY, GREEDY], np.ones((2, K)))
+        grown.append(v.row_budget)
+    assert grown[-1] == K and list(lengths) == [K, K]
 
 
 def test_token_budget_is_respected():

@@ -80,6 +80,24 @@ def test_bf16_path_is_exact_topk_sorted(head_dtype):
                    for n in range(9))
 
 
+def test_bf16_copy_of_an_fp32_head_gives_the_exact_topk():
+    """The CPU fast path: coarse scores from a bf16 copy of an fp32 head, the best
+    coarse_topk rescored with the fp32 head. Its bf16 error per score (~0.4 % of the
+    score's terms, ~0.03 of a score of spread ~8 here) is far below the gap between
+    the 16th and the 128th best of 8,000, so the result is exactly the fp32 top 16 in
+    order; with coarse_topk = head_topk (no rescoring room) bf16 rounding does reorder,
+    which shows the rescoring is what gives the order."""
+    head, hidden = _head_and_hidden(8000, 256, 32, seed=3)
+    coarse = head.to(torch.bfloat16)
+    exact = retrieve_candidates(hidden, head, 16, 128, mode="bf16")
+    fast = retrieve_candidates(hidden, head, 16, 128, mode="bf16", coarse_head=coarse)
+    assert torch.equal(fast, exact)
+    rounded = (hidden.to(torch.bfloat16) @ coarse.t()).float()
+    assert any(rounded[n].topk(16).indices.tolist() != exact[n].tolist() for n in range(32))
+    with pytest.raises(ValueError, match="bf16 copy"):
+        retrieve_candidates(hidden, head, 16, 128, mode="bf16", coarse_head=head[:10].bfloat16())
+
+
 def test_fp8_path_recall_against_bf16():
     # Random Gaussian head: FP8 error per score ~ 3.6 % of the score spread (e4m3 rounding
     # is independent per entry), far below the gap between the 16th and the 128th best of

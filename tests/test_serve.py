@@ -1,76 +1,58 @@
 """`vllm serve` with `--speculative-config '{"method": "dspine", ...}'` and nothing else:
-an OpenAI completion, a streamed chat completion, vLLM's metrics, and an aborted
-stream that frees its slot and KV blocks. Loopback only; every loop is bounded."""
+an OpenAI completion, a streamed chat completion, vLLM's metrics, an aborted stream
+that frees its slot and KV blocks, and a storm of 50 concurrent streams each cut by
+the client. One server for the module; loopback only; every wait is bounded."""
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import shutil
-import subprocess
-import sys
+import random
+import threading
 import time
 
 import pytest
 
-from engine_utils import HOST, dspine_spec, engine_env, free_port, sse_payloads
+from engine_utils import (VllmServer, check_counters_account_for, dspine_spec,
+                          engine_env, metric_page, prometheus_samples, sse_payloads)
 
 pytestmark = pytest.mark.engine
 
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    engine_env()
-    import httpx
+SERVE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+              "--gpu-memory-utilization", "0.15", "--served-model-name", "tiny"]
 
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """One `vllm serve` for the module (engine_utils.VllmServer)."""
     from vllm_dspine.pairs.tiny import write_tiny_pair
 
-    pair = write_tiny_pair(str(tmp_path_factory.mktemp("pair")), seed=0)
-    port = free_port()
-    vllm_bin = shutil.which("vllm", path=os.path.dirname(sys.executable)) or "vllm"
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [vllm_bin, "serve", pair.target_dir, "--host", HOST, "--port", str(port),
-         "--speculative-config", json.dumps(dspine_spec(pair.draft_dir)),
-         "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
-         "--gpu-memory-utilization", "0.15", "--served-model-name", "tiny"],
-        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    base = f"http://{HOST}:{port}"
-    deadline = time.time() + 400
+    engine_env()
+    # The distilled drafter (~20 s): drafts get accepted, so the counter checks see
+    # accepted tokens.
+    pair = write_tiny_pair(str(tmp_path_factory.mktemp("pair")), seed=0, trained=True)
+    srv = VllmServer(pair.target_dir,
+                     ["--speculative-config", json.dumps(dspine_spec(pair.draft_dir)),
+                      *SERVE_ARGS],
+                     tmp_path_factory.mktemp("serve") / "serve.log")
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited: {open(log_path).read()[-3000:]}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"vllm serve not up in 400 s: "
-                                   f"{open(log_path).read()[-3000:]}")
-            time.sleep(2)
-        yield base
+        yield srv.wait_up(400)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served.base
 
 
 def _metric(base: str, name: str) -> float:
     import httpx
 
-    text = httpx.get(base + "/metrics", timeout=10).text
-    values = [float(m.group(1)) for m in re.finditer(
-        rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M)]
+    values = prometheus_samples(httpx.get(base + "/metrics", timeout=10).text, name)
     assert values, f"{name} not in /metrics"
-    return sum(values)
+    return sum(v for _, v in values)
 
 
 def test_completion(server):
@@ -84,6 +66,31 @@ def test_completion(server):
     assert body["usage"]["completion_tokens"] == 24
     assert body["choices"][0]["text"]
     assert _metric(server, "vllm:spec_decode_num_draft_tokens_total") > 0
+
+
+def test_spec_decode_counters_account_for_the_answers(server):
+    """vLLM's counters (and DSpine's verified-length histogram) grow by exactly what
+    the answers imply (engine_utils.check_counters_account_for): 8 greedy requests of
+    different lengths, completions and chats."""
+    import httpx
+
+    before = metric_page(httpx.get(server + "/metrics", timeout=10).text)
+    tokens = []
+    for i in range(8):
+        common = {"model": "tiny", "max_tokens": 5 + 13 * i, "temperature": 0,
+                  "ignore_eos": True}
+        if i % 2:
+            route, body = "/v1/completions", {**common, "prompt": "abc" * (i + 1)}
+        else:
+            route, body = "/v1/chat/completions", {**common, "messages": [
+                {"role": "user", "content": "say " + "xyz" * i}]}
+        r = httpx.post(server + route, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        tokens.append(r.json()["usage"]["completion_tokens"])
+    assert tokens == [5 + 13 * i for i in range(8)]
+    after = metric_page(httpx.get(server + "/metrics", timeout=10).text)
+    d = check_counters_account_for(before, after, tokens, where="vllm serve")
+    print("counters grew by", {k: v for k, v in sorted(d.items()) if v and "spec" in k})
 
 
 def test_streamed_chat_completion(server):
@@ -125,3 +132,187 @@ def test_aborted_stream_frees_everything(server):
     r = httpx.post(server + "/v1/completions", timeout=120, json={
         "model": "tiny", "prompt": "xyz", "max_tokens": 8, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+# ------------------------------------------------------------------ abort storm
+STORM = 50
+# Greedy requests answered before and after the storm (name -> route, body).
+PROBES = {
+    "completion": ("/v1/completions", {
+        "model": "tiny", "prompt": "the quick brown fox", "max_tokens": 48,
+        "temperature": 0, "ignore_eos": True}),
+    "chat": ("/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "say abc"}],
+        "max_tokens": 32, "temperature": 0, "ignore_eos": True}),
+}
+
+
+def _probe(base: str, name: str) -> list:
+    """A probe's generated text and token count (non-streamed)."""
+    import httpx
+
+    route, body = PROBES[name]
+    r = httpx.post(base + route, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    choice = out["choices"][0]
+    text = choice["message"]["content"] if "chat" in route else choice["text"]
+    return [text, out["usage"]["completion_tokens"]]
+
+
+def _storm_requests(rng: random.Random) -> list[dict]:
+    """STORM streamed requests: completions and chats, greedy, sampled and seeded
+    sampled, max_tokens 4..300, each with the number of SSE events after which the
+    client hangs up (0: right after the response headers). Some are allowed to run to
+    their end."""
+    words = "the quick brown fox jumps over the lazy dog while five wizards box".split()
+    reqs = []
+    for i in range(STORM):
+        max_tokens = rng.choice([4, 16, 48, 120, 300])
+        body = {"model": "tiny", "max_tokens": max_tokens, "stream": True,
+                "ignore_eos": True}
+        kind = rng.choice(["greedy", "sampled", "seeded"])
+        if kind == "greedy":
+            body["temperature"] = 0
+        else:
+            body.update(temperature=rng.choice([0.6, 1.0, 1.4]),
+                        top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([-1, 20]))
+            if kind == "seeded":
+                body["seed"] = 1000 + i
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 30)))
+        if rng.random() < 0.5:
+            route, body["prompt"] = "/v1/completions", text
+        else:
+            route, body["messages"] = "/v1/chat/completions", [
+                {"role": "user", "content": text}]
+        # One in five is read to its end (cut None), the others are cut.
+        cut = None if rng.random() < 0.2 else rng.randint(0, max_tokens // 3 + 1)
+        reqs.append({"i": i, "route": route, "body": body, "kind": kind, "cut": cut,
+                     "delay": rng.uniform(0.0, 1.5)})
+    return reqs
+
+
+def _run_storm(base: str, reqs: list[dict], timeout: float) -> list[dict]:
+    """Open every request at once (each after its small delay) in its own thread; each
+    reads `cut` SSE events and closes its connection, which makes vLLM abort the
+    request. Returns one record per request; raises if a thread is still alive when
+    `timeout` is up."""
+    import httpx
+
+    records = [{"i": r["i"], "events": 0, "done": False} for r in reqs]
+    go = threading.Event()
+
+    def client(req, rec):
+        go.wait(30)
+        time.sleep(req["delay"])
+        try:
+            with httpx.stream("POST", base + req["route"], json=req["body"],
+                              timeout=httpx.Timeout(120, connect=30)) as r:
+                rec["status"] = r.status_code
+                if r.status_code != 200 or req["cut"] == 0:
+                    return
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        rec["done"] = True
+                        return
+                    if line.startswith("data: "):
+                        rec["events"] += 1
+                        if req["cut"] is not None and rec["events"] >= req["cut"]:
+                            return  # leaving the block closes the connection
+        except Exception as e:  # recorded, asserted on by the test
+            rec["error"] = repr(e)
+
+    threads = [threading.Thread(target=client, args=(q, rec), daemon=True)
+               for q, rec in zip(reqs, records)]
+    running: list[float] = []  # vllm:num_requests_running, sampled during the storm
+
+    def monitor():
+        while any(t.is_alive() for t in threads) and time.time() < deadline:
+            try:
+                running.append(_metric(base, "vllm:num_requests_running"))
+            except Exception:
+                pass
+            time.sleep(0.2)
+
+    deadline = time.time() + timeout
+    for t in threads:
+        t.start()
+    go.set()
+    mon = threading.Thread(target=monitor, daemon=True)
+    mon.start()
+    for t in threads:
+        t.join(max(0.0, deadline - time.time()))
+    alive = [rec["i"] for t, rec in zip(threads, records) if t.is_alive()]
+    assert not alive, f"storm requests {alive} still open after {timeout:.0f} s"
+    mon.join(5)
+    records.append({"max_running": max(running, default=0)})
+    return records
+
+
+def _wait_idle(base: str, timeout: float) -> dict:
+    """Waits, bounded, until vLLM reports no running or waiting request and an empty
+    KV cache; returns the last readings."""
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting",
+             "vllm:kv_cache_usage_perc")
+    deadline = time.time() + timeout
+    while True:
+        now = {n: _metric(base, n) for n in names}
+        if not any(now.values()) or time.time() > deadline:
+            return now
+        time.sleep(0.5)
+
+
+def _success_by_reason(base: str) -> dict:
+    import httpx
+
+    out: dict[str, float] = {}
+    text = httpx.get(base + "/metrics", timeout=10).text
+    for labels, v in prometheus_samples(text, "vllm:request_success_total"):
+        reason = dict(kv.split("=", 1) for kv in labels.split(",") if "=" in kv).get(
+            "finished_reason", "").strip('"')
+        out[reason] = out.get(reason, 0.0) + v
+    return out
+
+
+def test_abort_storm_frees_everything_and_serving_continues(served):
+    """50 concurrent streamed requests (completions and chats; greedy, sampled and
+    seeded; max_tokens 4..300), cut by the client at random points (fixed seed) from
+    right after the response headers on, one in five read to its end. Afterwards vLLM's own gauges read no
+    running or waiting request and an empty KV cache (which holds the drafter's context
+    K/V too: DSpine's draft layers live in vLLM's KV block pool, there is no other
+    per-request draft slot); the engine is alive and answers the greedy probes exactly
+    as before the storm, and the server logged no traceback. Every finished request is
+    counted once: vLLM's request_success counter grew by at most STORM and at least by
+    the streams the client read to their end."""
+    base = served.base
+    before = {name: _probe(base, name) for name in PROBES}
+    assert not any(_wait_idle(base, 30).values())
+    success0 = _success_by_reason(base)
+    reqs = _storm_requests(random.Random(20261201))
+    t0 = time.time()
+    records = _run_storm(base, reqs, timeout=300)
+    max_running = records.pop()["max_running"]
+    storm_s = time.time() - t0
+    errors = [(r["i"], r.get("status"), r.get("error")) for r in records
+              if r.get("status") != 200 or "error" in r]
+    assert not errors, errors
+    cut = [r for r in records if not r["done"]]
+    done = sum(r["done"] for r in records)
+    assert len(cut) >= 30 and done >= 3, (len(cut), done)
+    # The storm really was concurrent: vLLM ran many of them in the same steps.
+    assert max_running >= 10, max_running
+    idle = _wait_idle(base, 90)
+    assert not any(idle.values()), f"not freed after the storm: {idle}"
+    success1 = _success_by_reason(base)
+    grew = {k: success1.get(k, 0) - success0.get(k, 0) for k in success1}
+    print(f"storm: {storm_s:.1f} s, {len(cut)} cut, {done} read to the end, at most "
+          f"{max_running:.0f} running at once, finished by reason {grew}")
+    # vLLM counts finished requests only (an abort is not a success): each stream read
+    # to its end once, plus cut ones that had finished before their abort arrived.
+    assert done <= grew.get("length", 0) <= STORM, (done, grew)
+    assert sum(grew.values()) == grew.get("length", 0), grew  # ignore_eos, no stops
+    after = {name: _probe(base, name) for name in PROBES}
+    assert after == before
+    with open(served.log_path, errors="replace") as f:
+        log = f.read()
+    assert "Traceback" not in log, log[log.index("Traceback") - 2000:][:6000]

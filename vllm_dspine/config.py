@@ -73,6 +73,9 @@ class DSpineConfig:
     head_topk: int
     coarse_topk: int
     bridge_eps: float
+    # Optional: the token ids candidate retrieval scores (sorted, unique), e.g. the
+    # drafter's training vocabulary; None = the whole vocabulary (DESIGN 1.4).
+    retrieval_vocab: tuple[int, ...] | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -170,6 +173,23 @@ class DSpineConfig:
                 f"{dw}: 'coarse_topk' ({dint['coarse_topk']}) must be <= vocab_size "
                 f"({ints['vocab_size']})")
 
+        retrieval_vocab = ds.get("retrieval_vocab")
+        if retrieval_vocab is not None:
+            ok = isinstance(retrieval_vocab, list) and all(
+                isinstance(i, int) and not isinstance(i, bool) for i in retrieval_vocab)
+            if not ok or any(b <= a for a, b in zip(retrieval_vocab, retrieval_vocab[1:])) \
+                    or not retrieval_vocab or retrieval_vocab[0] < 0 \
+                    or retrieval_vocab[-1] >= ints["vocab_size"]:
+                raise ValueError(
+                    f"{dw}: field 'retrieval_vocab' must be a strictly increasing list of "
+                    f"token ids in [0, vocab_size={ints['vocab_size']}) (or absent: the "
+                    f"whole vocabulary)")
+            if len(retrieval_vocab) < dint["coarse_topk"]:
+                raise ValueError(
+                    f"{dw}: 'retrieval_vocab' has {len(retrieval_vocab)} ids, fewer than "
+                    f"'coarse_topk' ({dint['coarse_topk']}); list more ids or drop the field")
+            retrieval_vocab = tuple(retrieval_vocab)
+
         known = {"architectures", "model_type", "dspine_config", "sliding_window",
                  "rms_norm_eps", "rope_theta", "torch_dtype", *ints}
         return cls(
@@ -187,6 +207,7 @@ class DSpineConfig:
             head_topk=dint["head_topk"],
             coarse_topk=dint["coarse_topk"],
             bridge_eps=bridge_eps,
+            retrieval_vocab=retrieval_vocab,
             extra={k: v for k, v in d.items() if k not in known},
         )
 
@@ -210,6 +231,9 @@ class DSpineConfig:
                                     "causal", "code_dim", "message_dim", "head_topk",
                                     "coarse_topk", "bridge_eps")}
         ds["target_layer_ids"] = list(ds["target_layer_ids"])
+        vocab = d.pop("retrieval_vocab")
+        if vocab is not None:
+            ds["retrieval_vocab"] = list(vocab)
         out = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, **d,
                "dspine_config": ds}
         out.update(extra)

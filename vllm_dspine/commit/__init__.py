@@ -13,10 +13,11 @@ slot through exactly the accepted prefix, in place:
 - `gdn_ref.py`: the GDN recurrence as vLLM 0.32.0 runs it, in plain PyTorch (the formula,
   per token, float64-capable) and `replay_commit_ref` (the CPU path);
 - `replay.py`: the Triton kernels (`gdn_replay_kernel`, `gdn_conv_window_kernel`), their
-  launcher `gdn_replay_fwd` and the public, validating `gdn_replay`.
-
-The runner patch that calls it (where the inputs are kept, when the commit runs) is
-planned in docs/hybrid.md and not wired yet: hybrid targets do not run under `dspine`.
+  launcher `gdn_replay_fwd` and the public, validating `gdn_replay`;
+- `runner.py`: the integration into vLLM's runner, CPU path (the verify forward that
+  keeps the checkpoint and records the inputs; the commit after sampling), called by
+  the `_patch_gdn_*` helpers in `plugin/patches.py`. The CUDA verify forward is planned
+  in docs/hybrid.md and not wired: hybrid targets are refused under `dspine` on CUDA.
 """
 
 from vllm_dspine.commit.gdn_ref import GDNWeights, VerifiedBlockInputs, replay_commit_ref

@@ -161,15 +161,7 @@ def load_draft_checkpoint(
 
     Shapes are checked against config.json before any tensor data is read.
     """
-    if not os.path.isdir(path):
-        raise ValueError(f"{path}: not a folder; pass the draft checkpoint folder "
-                         f"(config.json + *.safetensors)")
-    cfg = DSpineConfig.from_pretrained(path)
-    owner, shapes = _scan_shards(path)
-    weight_map = _read_index(path)
-    if weight_map is not None:
-        _check_index(path, weight_map, owner)
-    check_tensor_shapes(cfg, shapes, where=path)
+    cfg, owner, shapes = _checked_listing(path)
 
     tensors: dict[str, torch.Tensor] = {}
     by_file: dict[str, list[str]] = {}
@@ -309,3 +301,150 @@ def random_draft_tensors(cfg: DSpineConfig, seed: int,
             t = torch.randn(shape, generator=gen) * std
         out[name] = t.to(dtype)
     return out
+
+
+# ------------------------------------------------- the folder between start and load
+# The front end validates the draft folder when vLLM builds its configs; the worker
+# reads the weights later (seconds to minutes: after the target has loaded). A folder
+# that changes in between (weights rewritten or deleted, config.json edited) must not
+# load silently: the engine was sized and checked for what was validated. The front end
+# records a fingerprint of the folder (no tensor data is read: config.json as parsed,
+# every safetensors file's size and modification time, every tensor's dtype and shape);
+# the worker compares the folder with it before vLLM reads the weights, and the loaded
+# tensors and files with it once they have been read.
+
+_AFTER_START = ("the engine validated the draft folder when it started and was built for "
+                "what it held then; do not modify a draft folder while an engine starts "
+                "from it: restore it, or restart the engine to serve the new drafter")
+
+
+def _stat_files(path: str) -> dict[str, list[int]]:
+    """{file name: [size, mtime_ns]} of the folder's safetensors files and index."""
+    out = {}
+    names = [os.path.basename(p) for p in glob.glob(os.path.join(path, "*.safetensors"))]
+    if os.path.isfile(os.path.join(path, INDEX_NAME)):
+        names.append(INDEX_NAME)
+    for name in sorted(names):
+        st = os.stat(os.path.join(path, name))
+        out[name] = [int(st.st_size), int(st.st_mtime_ns)]
+    return out
+
+
+def _tensor_dtypes(path: str, owner: dict[str, str]) -> dict[str, str]:
+    out = {}
+    for fname in sorted(set(owner.values())):
+        with safe_open(os.path.join(path, fname), framework="pt") as f:
+            for name in f.keys():
+                out[name] = str(f.get_slice(name).get_dtype())
+    return out
+
+
+def folder_fingerprint(path: str) -> dict:
+    """What the worker checks the folder against: parsed config, files, tensor dtypes and
+    shapes. Raises ValueError (naming the tensor or field) for a folder that is not a
+    valid draft checkpoint."""
+    cfg, owner, shapes = _checked_listing(path)
+    return {"path": os.path.abspath(path), "config": cfg.to_dict(),
+            "files": _stat_files(path), "dtypes": _tensor_dtypes(path, owner),
+            "shapes": {n: list(s) for n, s in shapes.items()}}
+
+
+def _checked_listing(path: str):
+    """(config, tensor -> file, tensor -> shape) of a draft folder, checked against
+    config.json without reading tensor data. Raises ValueError naming the problem."""
+    if not os.path.isdir(path):
+        raise ValueError(f"{path}: not a folder; pass the draft checkpoint folder "
+                         f"(config.json + *.safetensors)")
+    cfg = DSpineConfig.from_pretrained(path)
+    owner, shapes = _scan_shards(path)
+    weight_map = _read_index(path)
+    if weight_map is not None:
+        _check_index(path, weight_map, owner)
+    check_tensor_shapes(cfg, shapes, where=path)
+    return cfg, owner, shapes
+
+
+def _describe_file_changes(then: dict, now: dict) -> str:
+    parts = []
+    for name in sorted(set(then) | set(now)):
+        if name not in now:
+            parts.append(f"'{name}' was deleted")
+        elif name not in then:
+            parts.append(f"'{name}' was added")
+        elif then[name] != now[name]:
+            parts.append(f"'{name}' was rewritten ({then[name][0]} -> {now[name][0]} bytes, "
+                         f"modified after the start)")
+    return ", ".join(parts)
+
+
+def check_folder_unchanged(fingerprint: dict) -> None:
+    """Before the weights are read: the folder is still what `folder_fingerprint`
+    recorded. Raises ValueError naming the first change and the fix."""
+    path = fingerprint["path"]
+    if not os.path.isdir(path):
+        raise ValueError(f"{path}: the draft folder is gone; {_AFTER_START}")
+    try:
+        cfg = DSpineConfig.from_pretrained(path)
+    except ValueError as e:
+        raise ValueError(f"{path}/config.json changed after the start and is no longer "
+                         f"valid ({e}); {_AFTER_START}") from None
+    now, then = cfg.to_dict(), fingerprint["config"]
+    if now != then:
+        def flat(d, pre=""):
+            for k, v in d.items():
+                if isinstance(v, dict):
+                    yield from flat(v, f"{pre}{k}.")
+                else:
+                    yield f"{pre}{k}", v
+        a, b = dict(flat(then)), dict(flat(now))
+        diff = [f"'{k}' was {a.get(k)!r}, now {b.get(k)!r}" for k in sorted(set(a) | set(b))
+                if a.get(k) != b.get(k)]
+        raise ValueError(f"{path}/config.json changed after the start ({'; '.join(diff)}); "
+                         f"{_AFTER_START}")
+    try:
+        _, owner, shapes = _checked_listing(path)
+    except ValueError as e:
+        raise ValueError(f"the draft weights changed after the start: {e} ({_AFTER_START})"
+                         ) from None
+    check_loaded_tensors(fingerprint, {n: (dt, tuple(shapes[n]))
+                                       for n, dt in _tensor_dtypes(path, owner).items()},
+                         when="after the start")
+    files = _stat_files(path)
+    if files != fingerprint["files"]:
+        raise ValueError(f"{path}: the draft weights changed after the start "
+                         f"({_describe_file_changes(fingerprint['files'], files)}); "
+                         f"{_AFTER_START}")
+
+
+_TORCH_DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+                      torch.float64: "F64", torch.float8_e4m3fn: "F8_E4M3",
+                      torch.float8_e5m2: "F8_E5M2", torch.int64: "I64",
+                      torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def check_loaded_tensors(fingerprint: dict, got: dict[str, tuple], when: str) -> None:
+    """`got`: name -> (dtype as safetensors names it, or a torch dtype; shape). Every
+    validated tensor is there with its validated dtype and shape, and nothing else."""
+    path = fingerprint["path"]
+    want_dt, want_shape = fingerprint["dtypes"], fingerprint["shapes"]
+    for name in want_dt:
+        if name not in got:
+            raise ValueError(f"{path}: tensor '{name}' disappeared {when}; {_AFTER_START}")
+    for name, (dt, shape) in got.items():
+        if name not in want_dt:
+            raise ValueError(f"{path}: tensor '{name}' appeared {when}; {_AFTER_START}")
+        dt = _TORCH_DTYPE_NAMES.get(dt, str(dt)) if isinstance(dt, torch.dtype) else dt
+        if dt != want_dt[name] or list(shape) != list(want_shape[name]):
+            raise ValueError(
+                f"{path}: tensor '{name}' is {dt} {list(shape)} {when}, but was validated "
+                f"as {want_dt[name]} {list(want_shape[name])}; {_AFTER_START}")
+
+
+def check_files_unchanged(fingerprint: dict, when: str) -> None:
+    path = fingerprint["path"]
+    files = _stat_files(path) if os.path.isdir(path) else {}
+    if files != fingerprint["files"]:
+        raise ValueError(f"{path}: the draft weights changed {when} "
+                         f"({_describe_file_changes(fingerprint['files'], files)}); "
+                         f"{_AFTER_START}")

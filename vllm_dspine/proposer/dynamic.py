@@ -12,7 +12,7 @@ draft position t the policy needs
                 accepted: the expected tokens verifying it adds;
   T(N)          the wall time of one engine step whose target forward holds N tokens
                 (`MeasuredStepCost`, fitted on the running engine), plus the drafter's
-                own time per step.
+                own time per step (fitted against the rows it drafts, requests x rows).
 
 The batch's rate is (R + sum of the chosen G) / (T(R + chosen drafts) + drafter time);
 because G[i, .] falls with t, the best choice of m drafts is the m largest G, so the
@@ -27,8 +27,17 @@ verified v_t is no longer distributed as q_t). So for sampled requests:
     never q_t(v_t);
   * the length is n = #{t : G[i, t] >= lambda} with lambda fixed by the previous step
     (history), not by this step's drafts;
-  * requests with their own seed keep the fixed length so that the seed reproduces the
-    text (the verified length changes how many random numbers verification draws).
+  * requests with their own seed get a length from their own history only
+    (`SeededLengthRule`: what they verified and accepted last), never from timings or
+    the rest of the batch, so that the seed reproduces the text (the verified length
+    changes how many random numbers verification draws).
+
+Only the rows that can be verified are drafted. Attention is causal inside the block and
+the bridge passes codes from row t - 1 to row t, so the first m + 1 rows of a block are
+the same whether 16 or m + 1 rows run; `Plan.rows` (one more than the longest length chosen
+in the last steps, doubled when they reach it; all 15 in the warm-up, 4 for a probe while the drafter
+is skipped, twice the budget for one while drafting) is how many drafts the proposer asks
+of the block forward, the retrieval and the tail this step.
 `tests/test_dynamic_policy.py` checks the rule exactly on a small vocabulary, with the
 rule that uses q_t(v_t) as the negative control.
 """
@@ -58,6 +67,10 @@ WARMUP_CAPS = (15, 0, 8, 2, 15, 4, 1, 0)  # lengths tried while the cost model i
 SKIP_AFTER = 8  # drafted steps in a row that did not pay before the drafter is skipped
 PROBE_MIN, PROBE_MAX = 16, 512  # steps between probes while skipping (doubling)
 EXPLORE_EVERY = 64  # steps between probes while drafting (acceptance of long prefixes)
+ROWS_MIN = 2  # fewest drafts a drafted block has (enough to see whether draft 2 pays)
+PROBE_ROWS = 4  # drafts of a probe while the drafter is skipped
+SEEDED_START = 4  # a seeded request's first verified length
+SEEDED_BACKOFF = (4, 64)  # steps a seeded request waits before re-probing (doubling)
 PROBES_PER_REQUESTS = 16  # one probed request per this many requests
 LOG_EVERY_S = 30.0
 
@@ -260,6 +273,50 @@ def draft_confidence(
     return torch.where(greedy.to(S.device)[:, None], p, peak).float()
 
 
+class SeededLengthRule:
+    """The verified length of a request with its own seed, from its own history only
+    (so the seed reproduces its text whatever else is in the batch and however fast the
+    engine runs). After a verification of n drafts with a accepted: all accepted -> 2n
+    (at most the cap), else a + 1; two verifications in a row with nothing accepted ->
+    0 for a wait (4 steps, doubling to 64 while probes keep failing), then 1 (a probe,
+    which waits again if it fails too).
+    Lossless: the length depends on past steps only, not on this step's drafts."""
+
+    def __init__(self, num_proposals: int) -> None:
+        self.K = num_proposals
+        self._state: dict[str, list[int]] = {}  # req id -> [length, zeros, wait, backoff]
+
+    def lengths(self, req_ids: list[str], observed: dict[str, tuple[int, int]],
+                which: np.ndarray) -> np.ndarray:
+        """observed: req id -> (drafts verified last step, accepted); which [R] bool:
+        the requests the rule applies to. -> length [R] (K where it does not apply).
+        Called once per step; forgets requests that left the batch."""
+        out = np.full(len(req_ids), self.K, dtype=np.int64)
+        state = {}
+        lo, hi = SEEDED_BACKOFF
+        for i, rid in enumerate(req_ids):
+            if not which[i]:
+                continue
+            st = self._state.get(rid) or [SEEDED_START, 0, 0, lo]
+            n, a = observed.get(rid, (0, 0))
+            if n > 0:
+                st[0] = min(self.K, 2 * n) if a >= n else a + 1
+                if a > 0:
+                    st[1], st[3] = 0, lo
+                else:
+                    st[1] += 1
+                    if st[1] >= 2:
+                        st[0], st[1], st[2], st[3] = 0, 0, st[3], min(2 * st[3], hi)
+            elif st[0] == 0:
+                st[2] -= 1
+                if st[2] <= 0:
+                    st[0], st[1] = 1, 1  # a probe: one more miss and it waits again
+            state[rid] = st
+            out[i] = st[0]
+        self._state = state
+        return out
+
+
 @dataclass
 class Choice:
     lengths: np.ndarray  # [R] int
@@ -334,6 +391,8 @@ def choose_lengths(
 class Plan:
     draft: bool
     probe: set = field(default_factory=set)  # batch indices verified at the cap
+    rows: int = 0  # drafts per request the block computes (its first rows + 1 rows)
+    caps: np.ndarray | None = None  # [R] the caps after the seeded rule
 
 
 class DynamicVerifier:
@@ -367,6 +426,11 @@ class DynamicVerifier:
         self._t_begin: float | None = None
         self._t_end: float | None = None
         self._warm = 0
+        self.seeded = SeededLengthRule(num_proposals)
+        self.row_budget = num_proposals  # drafts per request the next block computes
+        self._rows = num_proposals  # drafts per request of this step's block
+        self._req_ids: list[str] = []
+        self._observed: dict[str, tuple[int, int]] = {}  # req id -> (verified, accepted)
         # Summary since the last log line.
         self.hist = np.zeros(num_proposals + 1, dtype=np.int64)
         self.steps_drafted = 0
@@ -378,8 +442,9 @@ class DynamicVerifier:
     def ready(self) -> bool:
         return self.verify_cost.ready and (self.injected is not None or self.draft_cost.ready)
 
-    def draft_seconds(self, num_reqs: int) -> float:
-        return self.injected.draft_s if self.injected is not None else self.draft_cost(num_reqs)
+    def draft_seconds(self, num_rows: int) -> float:
+        """The drafter's time for a block of `num_rows` rows in all (requests x rows)."""
+        return self.injected.draft_s if self.injected is not None else self.draft_cost(num_rows)
 
     def context_seconds(self, num_reqs: int) -> float:
         return 0.0 if self.injected is not None else self.context_cost(num_reqs)
@@ -392,6 +457,10 @@ class DynamicVerifier:
         now = self.clock()
         if self._t_end is not None and self.injected is None and self._prev_ids & set(req_ids):
             self.verify_cost.observe(num_tokens, now - self._t_end)
+        self._req_ids = list(req_ids)
+        self._observed = {} if rejected is None else {
+            rid: (int(n), max(int(n) - int(r), 0))
+            for rid, n, r in zip(req_ids, verified, rejected) if n > 0}
         if rejected is not None and self._last:
             seen = []
             for i, rid in enumerate(req_ids):
@@ -406,33 +475,50 @@ class DynamicVerifier:
         self._t_begin = now
 
     def plan(self, kinds: np.ndarray, caps: np.ndarray) -> Plan:
+        """Whether to draft this step, how many rows, and the caps after the seeded
+        rule (requests with their own seed: `SeededLengthRule`)."""
         self.steps += 1
+        caps = np.array(caps, dtype=np.int64)
+        seeded = kinds == FIXED
+        if seeded.any():
+            caps = np.minimum(caps, self.seeded.lengths(self._req_ids, self._observed, seeded))
         live = caps > 0
         self._probing = False
         if not live.any():
-            return Plan(False)
-        if (live & (kinds == FIXED)).any() or not self.ready:
-            return Plan(True)
+            return Plan(False, caps=caps)
+        if not self.ready:
+            return Plan(True, rows=self.K, caps=caps)
+        seeded_rows = int(caps[live & seeded].max()) if (live & seeded).any() else 0
+        if seeded_rows:
+            return Plan(True, rows=max(seeded_rows, min(self.row_budget, self.K)), caps=caps)
         self.since_probe += 1
         if self.skipping and self.since_probe < self.probe_interval:
-            return Plan(False)
+            return Plan(False, caps=caps)
         if not self.skipping and self.since_probe < EXPLORE_EVERY:
-            return Plan(True)
+            return Plan(True, rows=min(self.row_budget, self.K), caps=caps)
         self.since_probe = 0
         self._probing = True
         dyn = np.nonzero(live & (kinds != FIXED))[0]
         count = max(1, -(-len(dyn) // PROBES_PER_REQUESTS))
         picked = {int(dyn[(self.probe_cursor + j) % len(dyn)]) for j in range(count)}
         self.probe_cursor += count
-        return Plan(True, picked)
+        # A probe drafts every request's block (vLLM's DFlash layout), so its rows are
+        # what it costs: while skipping, the first PROBE_ROWS drafts (do short prefixes
+        # pay again?); while drafting, twice the budget (longer prefixes, step by step).
+        rows = PROBE_ROWS if self.skipping else min(self.K, 2 * self.row_budget)
+        return Plan(True, picked, rows=rows, caps=caps)
 
     def choose(self, req_ids: list[str], kinds: np.ndarray, caps: np.ndarray,
                conf: np.ndarray, plan: Plan) -> np.ndarray:
         """conf [R, K] from `draft_confidence`; returns the verified length per request."""
         greedy = kinds == GREEDY  # also the kind of what a probe of it observes
+        policy = kinds != FIXED  # lengths the policy chooses (not seeded, not probed)
         kinds = kinds.copy()
         for i in plan.probe:
             kinds[i] = FIXED
+            policy[i] = False
+        rows = self._rows = conf.shape[1]  # drafts this block computed
+        caps = np.minimum(caps if plan.caps is None else np.minimum(caps, plan.caps), rows)
         if not self.ready:
             cap = WARMUP_CAPS[self._warm % len(WARMUP_CAPS)]
             self._warm += 1
@@ -442,11 +528,13 @@ class DynamicVerifier:
             G = np.cumprod(alpha, axis=1)
             R = len(req_ids)
             choice = choose_lengths(G, caps, kinds, self.threshold, self.verify_cost.verify,
-                                    self.draft_seconds(R), self.context_seconds(R),
+                                    self.draft_seconds(R * (min(self.row_budget, self.K) + 1)),
+                                    self.context_seconds(R),
                                     self.max_batch_tokens)
             lengths = choice.lengths
             self.threshold = choice.threshold
             pays = choice.rho_draft > choice.rho_plain
+            self._update_row_budget(lengths[policy & (caps > 0)], rows)
             if self.skipping:
                 if pays:
                     self.skipping, self.unpaid, self.probe_interval = False, 0, PROBE_MIN
@@ -462,6 +550,18 @@ class DynamicVerifier:
         self.steps_drafted += 1
         return lengths
 
+    def _update_row_budget(self, chosen: np.ndarray, rows: int) -> None:
+        """Rows for the next blocks: doubled when the policy used every row it had
+        (it might have wanted more), else one more than the longest length it chose (at
+        least ROWS_MIN), shrinking by at most one row a step."""
+        if chosen.size == 0:
+            return
+        longest = int(chosen.max())
+        if longest >= rows:
+            self.row_budget = min(self.K, max(2 * rows, ROWS_MIN))
+        else:
+            self.row_budget = min(self.K, max(ROWS_MIN, longest + 1, self.row_budget - 1))
+
     def context_only(self, caps: np.ndarray) -> None:
         self._last = {}
         self.hist[0] += int((caps > 0).sum())
@@ -470,8 +570,10 @@ class DynamicVerifier:
     def end(self, req_ids: list[str], drafted: bool) -> None:
         now = self.clock()
         if self._t_begin is not None:
-            (self.draft_cost if drafted else self.context_cost).observe(
-                len(req_ids), now - self._t_begin)
+            if drafted:  # against the block's rows: its cost grows with them
+                self.draft_cost.observe(len(req_ids) * (self._rows + 1), now - self._t_begin)
+            else:
+                self.context_cost.observe(len(req_ids), now - self._t_begin)
         self._t_end = now
         self._prev_ids = set(req_ids)
         if now - self._last_log >= LOG_EVERY_S:

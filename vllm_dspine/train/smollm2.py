@@ -27,6 +27,7 @@ full drafter served with the argmax of the continuous logits.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -206,10 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = draft_config(args.layers)
     feat_path = os.path.join(work, "data",
                              f"features-{'-'.join(map(str, cfg.target_layer_ids))}.pt")
+    target = None  # loaded once, for the features (if not cached) and the init
     if rank == 0 and not os.path.exists(feat_path):
         _log(f"target features of {sum(map(len, seqs))} tokens ...")
+        target = load_target(target_dir)
         feats = [f.to(torch.bfloat16) for f in features_of_sequences(
-            load_target(target_dir), seqs, cfg.target_layer_ids)]
+            target, seqs, cfg.target_layer_ids)]
         torch.save(feats, feat_path)
     if args.stop_after == "features" and rank == 0:
         return 0
@@ -225,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     # for the offline acceptance check.
     held = set(range(0, round(args.greedy_share * len(seqs)), 16))
     train_idx = [i for i in range(len(seqs)) if i not in held]
-    target = load_target(target_dir)
+    target = target if target is not None else load_target(target_dir)
     embed = target.model.embed_tokens.weight.detach().float()
     head = target.lm_head.weight.detach().float()
     data = DistillData(ids=[torch.tensor(seqs[i]) for i in train_idx],
@@ -250,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = os.path.abspath(args.out or os.path.join(work, f"draft-{args.variant}"))
     os.makedirs(out, exist_ok=True)
+    # Retrieval scores the loss vocabulary only (the tokens of the training text): the
+    # drafter was never trained to rank the others (docs/smollm2-drafter.md).
+    cfg = dataclasses.replace(cfg, retrieval_vocab=tuple(data.vocab_ids().tolist()))
     save_draft_checkpoint(out, cfg, {k: v.to(torch.bfloat16) for k, v in tensors.items()})
     if args.variant == "no-bridge":
         export_dflash(cfg, tensors, out + "-dflash")
