@@ -268,8 +268,14 @@ def serial_tail(
     top_p: torch.Tensor | None = None,  # [R] float
     min_p: torch.Tensor | None = None,  # [R] float
     generators: list[torch.Generator | None] | None = None,  # R entries; None = global RNG
+    draws_per_request: int | None = None,
 ) -> SparseProposal:
     """Walk the tables row by row.
+
+    draws_per_request: how many uniforms a request with its own generator draws from it
+    (>= K; default K). The proposer passes the block's full 15 when it drafts only the
+    first K rows, so that a seeded stream advances by the same amount whatever K was
+    (the seed then reproduces its text whatever the batch did to the row count).
 
     Greedy requests: j_1 = argmax_j S[0, 0, j], j_t = argmax_j S[t-1, j_{t-1}, j].
     Sampled requests: q_t(. | i) = filtered softmax of S[t-1, i, :] / T, j_1 ~ q_1(. | 0),
@@ -304,7 +310,9 @@ def serial_tail(
     work = S.to(torch.float64) if any_sampled else S  # [R, K, k, k]
     temp = torch.where(greedy, torch.ones_like(temperature, dtype=torch.float64),
                        temperature.to(torch.float64))  # [R]
-    u = _draw_uniforms(sampled_cpu, K, generators, device) if any_sampled else None
+    n_draws = K if draws_per_request is None else max(K, int(draws_per_request))
+    u = (_draw_uniforms(sampled_cpu, n_draws, generators, device)[:, :K]
+         if any_sampled else None)
 
     arange_r = torch.arange(R, device=device)
     prev = torch.zeros(R, dtype=torch.long, device=device)  # j_{t-1}; 0 stands for the anchor

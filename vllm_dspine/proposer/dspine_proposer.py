@@ -99,6 +99,8 @@ class DSpineProposer(DFlashProposer):
                 K, FixedCost.from_option(cost) if cost else None,
                 max_batch_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
         self._last_confidence = None  # [num_reqs, K] numpy, for the policy
+        # [num_reqs] bool: requests whose drafts this step may verify (None: all).
+        self._own_stream: np.ndarray | None = None
 
     # ---------------------------------------------------------------- loading
     def load_model(self, target_model) -> None:
@@ -203,7 +205,12 @@ class DSpineProposer(DFlashProposer):
             # how its prompt was chunked.
             discarded = (self._runner.discard_request_mask.np[:num_reqs]
                          if self._runner is not None else [False] * num_reqs)
-            generators = [None if discarded[i] else sampling_metadata.generators.get(i)
+            # A seeded request whose drafts this step will not verify (its own length
+            # rule gave 0) draws from the global RNG too: whether the block runs at all
+            # depends on the rest of the batch, its seeded stream must not.
+            own = self._own_stream
+            generators = [None if discarded[i] or (own is not None and not own[i])
+                          else sampling_metadata.generators.get(i)
                           for i in range(num_reqs)]
 
         if self.use_tail:
@@ -218,7 +225,9 @@ class DSpineProposer(DFlashProposer):
             dtype = torch.float64 if bool((temperature > 0).any()) else torch.float32
             S = continuous_score_tables(hidden_states.view(num_reqs, K, -1), cand_ids,
                                         self._head_weight, dtype)
-        proposal = serial_tail(S, cand_ids, temperature, top_k, top_p, min_p, generators)
+        # Seeded requests draw the full block's uniforms whatever rows run this step.
+        proposal = serial_tail(S, cand_ids, temperature, top_k, top_p, min_p, generators,
+                               draws_per_request=cfg.num_proposals)
         self._last_sparse_q = pack_sparse_q(proposal.cand_ids, proposal.cand_probs)
         if self._verifier is not None:
             self._last_confidence = draft_confidence(
@@ -288,7 +297,11 @@ class DSpineProposer(DFlashProposer):
             v.context_only(plan.caps)
             v.end(req_ids, drafted=False)
             return [[] for _ in range(num_reqs)]
-        drafts = self._draft_rows(max(1, min(plan.rows, step_cap)), inputs).tolist()
+        self._own_stream = plan.caps > 0
+        try:
+            drafts = self._draft_rows(max(1, min(plan.rows, step_cap)), inputs).tolist()
+        finally:
+            self._own_stream = None
         lengths = v.choose(req_ids, kinds, caps, self._last_confidence, plan)
         v.end(req_ids, drafted=True)
         return [row[:int(n)] for row, n in zip(drafts, lengths)]
