@@ -98,6 +98,34 @@ def test_zero_drafts_when_the_cost_model_says_verification_cannot_pay():
     assert v.summary()["skipping"]
 
 
+def test_a_step_far_from_paying_skips_the_drafter_at_once():
+    """Near break-even, or before CALIBRATED_TRIALS verified drafts were observed, a
+    drafted step that does not pay counts once toward SKIP_AFTER; once calibrated, a
+    step whose best rate is UNPAID_SHORTFALL or more below plain decoding's (here the
+    drafter costs 5 target steps) makes the next step skip the drafter."""
+    from vllm_dspine.proposer.dynamic import CALIBRATED_TRIALS, UNPAID_SHORTFALL
+
+    ids = ["a", "b", "c", "d"]
+    kinds = [GREEDY] * 4
+    conf = np.full((4, K), 0.3)
+    cost = FixedCost(step_s=0.01, token_s=0.001, draft_s=0.05)
+    v = DynamicVerifier(K, cost)
+    for _ in range(SKIP_AFTER - 1):  # not calibrated yet: one count each
+        assert _step(v, ids, kinds, conf)[0]
+    assert not v.summary()["skipping"]
+    v = DynamicVerifier(K, cost)
+    v.calibrator.observe_many([(conf[0], True, 1, 4)] * (CALIBRATED_TRIALS // 2))
+    assert _step(v, ids, kinds, conf)[0]  # drafted: its rate is far below plain's
+    s = v.summary()
+    assert s["skipping"], s
+    assert not _step(v, ids, kinds, conf)[0]
+    # Break-even (the drafter free, no draft worth its token): one count per step.
+    v = DynamicVerifier(K, FixedCost(step_s=0.0, token_s=1.0, draft_s=0.0))
+    for _ in range(SKIP_AFTER - 1):
+        assert _step(v, ids, kinds, conf)[0]
+    assert not v.summary()["skipping"] and 0 < UNPAID_SHORTFALL < 1
+
+
 def test_fifteen_drafts_when_acceptance_is_certain():
     """Every draft accepted so far at confidence 1.0, and the step has a fixed part (an
     engine step is never free): all 15 drafts are verified, greedy at once, sampled from
@@ -211,7 +239,8 @@ def test_measured_cost_model_fits_the_engine_and_drives_the_choice():
     for (a, b), expect in (((0.0005, 0.01), 0), ((0.05, 0.0001), K)):
         clock = FakeClock()
         v = DynamicVerifier(K, None, clock=clock)
-        _certain(v.calibrator)
+        if expect == K:  # (a calibration that has seen only certain drafts would make
+            _certain(v.calibrator)  # the 0.6-confidence drafts below certain too)
         ids = ["x", "y"]
         conf = np.ones((2, K)) if expect == K else np.full((2, K), 0.6)
         n_tokens = 2
@@ -350,3 +379,102 @@ def test_sampled_rule_is_lossless_and_the_drawn_token_rule_is_not():
     bad = _exact_first_two_tokens(
         p1, p2, q1, q2, lambda a, b: _policy_length(q1, q2, a, b, threshold, True))
     assert 0.5 * np.abs(bad - target).sum() > 0.02
+
+
+# ------------------------------------------------ context K/V writes of skipped steps
+class _ContextWrites:
+    """Stands in for the DFlash model's two context calls and records what reaches the
+    draft KV cache (combine_hidden_states halves the features, so what was combined
+    shows in the values)."""
+
+    def __init__(self):
+        self.writes = []
+
+    def combine_hidden_states(self, hidden):
+        return hidden[:, :2] * 0.5
+
+    def precompute_and_store_context_kv(self, hidden, positions, slots):
+        self.writes.append((hidden.clone(), positions.tolist(), slots.tolist()))
+
+
+def _logging_proposer(log_context=True):
+    """A DSpineProposer with just what `_store_context_only` and the log use; vLLM's
+    layout kernel (`set_inputs_first_pass`) replaced by one that writes each step's
+    positions and slots the way it does (rejected tokens -> slot -1)."""
+    from types import SimpleNamespace
+
+    from vllm_dspine.proposer.dspine_proposer import DSpineProposer
+
+    p = object.__new__(DSpineProposer)
+    p.dspine = SimpleNamespace(num_proposals=15)
+    p.model = _ContextWrites()
+    p._context_log, p._context_log_tokens, p._log_context = [], 0, log_context
+    p._context_positions_buffer = torch.zeros(512, dtype=torch.int64)
+    p._context_slot_mapping_buffer = torch.zeros(512, dtype=torch.int64)
+
+    def set_inputs_first_pass(token_ids, next_ids, positions, hidden, sample, cad, rejected):
+        n = token_ids.shape[0]
+        p._dflash_num_context = n
+        p._context_positions_buffer[:n] = positions
+        p._context_slot_mapping_buffer[:n] = torch.where(positions % 10 == 3, -1, positions + 100)
+
+    p.set_inputs_first_pass = set_inputs_first_pass
+    return p
+
+
+def _skipped_step(p, start, n):
+    positions = torch.arange(start, start + n)
+    hidden = positions[:, None].float().expand(n, 4).contiguous()  # [n, L_aux * H]
+    p._store_context_only(dict(
+        target_token_ids=positions, next_token_ids=None, target_positions=positions,
+        target_hidden_states=hidden, token_indices_to_sample=None,
+        common_attn_metadata=None, num_rejected_tokens_gpu=None))
+
+
+def test_context_writes_of_skipped_steps_are_logged_then_applied_in_order():
+    """Steps without a block log their context K/V writes; they reach the cache in one
+    batch, oldest first, with each step's positions and slots (rejected -1 kept),
+    before the next block (`_draft_rows`) or before a step whose scheduler freed
+    blocks; a step that freed nothing leaves the log alone."""
+    from types import SimpleNamespace
+
+    from vllm_dspine.proposer.dspine_proposer import CONTEXT_LOG_TOKENS
+
+    p = _logging_proposer()
+    for step in range(3):
+        _skipped_step(p, 10 * step, 2 + step)  # 2, 3, 4 tokens
+    assert p.model.writes == []
+    p.before_step(SimpleNamespace(finished_req_ids=set(), preempted_req_ids=None))
+    assert p.model.writes == []
+    p.before_step(SimpleNamespace(finished_req_ids={"req-3"}, preempted_req_ids=None))
+    (hidden, positions, slots), = p.model.writes
+    assert positions == [0, 1, 10, 11, 12, 20, 21, 22, 23]
+    assert slots == [100, 101, 110, 111, 112, 120, 121, 122, -1]
+    assert torch.equal(hidden[:, 0], torch.tensor(positions).float() * 0.5)
+    assert p._context_log == [] and p._context_log_tokens == 0
+    p.before_step(SimpleNamespace(finished_req_ids={"req-3"}, preempted_req_ids=None))
+    assert len(p.model.writes) == 1  # nothing logged: nothing written twice
+
+    _skipped_step(p, 40, 1)
+    p.before_step(SimpleNamespace(finished_req_ids=set(), preempted_req_ids={"req-1"}))
+    assert [w[1] for w in p.model.writes[1:]] == [[40]]
+
+    _skipped_step(p, 50, 1)
+    p._flush_context_log()  # what `_draft_rows` does before the block
+    assert [w[1] for w in p.model.writes[2:]] == [[50]]
+
+    # A full log is applied when it reaches CONTEXT_LOG_TOKENS.
+    p.model.writes.clear()
+    for step in range(CONTEXT_LOG_TOKENS // 32):
+        _skipped_step(p, 1000 + 32 * step, 32)
+    assert len(p.model.writes) == 1 and len(p.model.writes[0][1]) == CONTEXT_LOG_TOKENS
+
+
+def test_context_writes_are_immediate_where_blocks_free_mid_request():
+    """A sliding-window drafter or a hybrid target (`_log_context` False): every skipped
+    step's context K/V is written in that step."""
+    p = _logging_proposer(log_context=False)
+    _skipped_step(p, 0, 3)
+    _skipped_step(p, 3, 2)
+    assert [w[1] for w in p.model.writes] == [[0, 1, 2], [3, 4]]
+    assert p._context_log == []

@@ -129,11 +129,8 @@ def _wait_for(predicate, timeout: float, what: str, every: float = 1.0):
 
 # ------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    from vllm_dspine.pairs.tiny import write_tiny_pair
-
-    # Distilled (~20 s): drafts get accepted, which the counter checks need.
-    return write_tiny_pair(str(tmp_path_factory.mktemp("pair")), seed=0, trained=True)
+def pair(tiny_trained_pair):
+    return tiny_trained_pair  # conftest.py: written once per session
 
 
 @pytest.fixture(scope="module")

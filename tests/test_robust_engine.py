@@ -26,10 +26,8 @@ MAX_MODEL_LEN = 512
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    from vllm_dspine.pairs.tiny import write_tiny_pair
-
-    return write_tiny_pair(str(tmp_path_factory.mktemp("pair")), seed=0, trained=True)
+def pair(tiny_trained_pair):
+    return tiny_trained_pair  # conftest.py: written once per session
 
 
 @pytest.fixture(scope="module")

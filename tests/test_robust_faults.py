@@ -18,15 +18,8 @@ pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    from vllm_dspine.pairs.tiny import write_tiny_pair
-
-    return write_tiny_pair(str(tmp_path_factory.mktemp("pair")), seed=0, trained=True)
-
-
-@pytest.fixture(scope="module")
-def plain_llm(pair):
-    return make_llm(pair.target_dir)
+def pair(tiny_trained_pair):
+    return tiny_trained_pair  # conftest.py: written once per session
 
 
 def _metric(llm, name: str) -> float:

@@ -24,14 +24,12 @@ SERVE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, tiny_trained_pair):
     """One `vllm serve` for the module (engine_utils.VllmServer)."""
-    from vllm_dspine.pairs.tiny import write_tiny_pair
-
     engine_env()
-    # The distilled drafter (~20 s): drafts get accepted, so the counter checks see
-    # accepted tokens.
-    pair = write_tiny_pair(str(tmp_path_factory.mktemp("pair")), seed=0, trained=True)
+    # The distilled drafter: drafts get accepted, so the counter checks see accepted
+    # tokens.
+    pair = tiny_trained_pair
     srv = VllmServer(pair.target_dir,
                      ["--speculative-config", json.dumps(dspine_spec(pair.draft_dir)),
                       *SERVE_ARGS],

@@ -24,12 +24,8 @@ pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    from vllm_dspine.pairs.tiny import write_tiny_pair
-
-    # The distilled drafter: drafts get accepted, so the sampled test compares
-    # accepted drafts, not only corrections.
-    return write_tiny_pair(str(tmp_path_factory.mktemp("pair")), seed=0, trained=True)
+def pair(tiny_trained_pair):
+    return tiny_trained_pair  # conftest.py: written once per session
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +34,6 @@ def dump_dir(tmp_path_factory):
     os.environ["VLLM_DSPINE_DEBUG_DUMP"] = d
     yield d
     os.environ.pop("VLLM_DSPINE_DEBUG_DUMP", None)
-
-
-@pytest.fixture(scope="module")
-def plain_llm(pair):
-    return make_llm(pair.target_dir)
 
 
 @pytest.fixture(scope="module")

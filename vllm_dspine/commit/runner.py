@@ -4,20 +4,25 @@ Active only for a DSpine draft on a Qwen3.5 / Qwen3-Next text target (the patche
 `plugin/patches.py` mark each GDN layer with `_dspine_replay = True` and give it one
 state slot with a W - 1 conv window, no speculative slots). Per step:
 
-1. Verify forward (`gdn_core_cpu`, in place of vLLM's CPU GDN core for marked layers):
-   rows that are speculative decodes (vLLM's `spec_sequence_masks`: a decode with >= 0
-   drafts) run as chunks from their slot's state on *scratch* copies, through vLLM's own
+1. Verify forward (`gdn_core_cpu`, in place of vLLM's CPU GDN core for marked layers).
+   Spec rows (vLLM's `spec_sequence_masks`: a decode with >= 0 drafts) of one token (no
+   drafts: its one position is always committed) run through vLLM's own decode path,
+   which updates their slot in place: the arithmetic of plain decoding. Spec rows with
+   drafts run as chunks from their slot's state on *scratch* copies, through vLLM's own
    CPU ops (the C++ causal conv with initial state, and the CPU speculative recurrent
    kernel with every position's state index pointing at the scratch row), so every
    position gets its output and the pool keeps the checkpoint (the state before the
-   block). The layer keeps the block's pre-conv `mixed_qkv`, `a`, `b`, the rows' slots
-   and `spec_query_start_loc` for step 2. Prompt chunks (non-spec rows) run through
-   vLLM's unchanged non-speculative path, which writes their final state as usual.
+   block). The layer keeps the block's pre-conv `mixed_qkv`, `a`, `b`, the rows' slots,
+   `spec_query_start_loc` and the scratch state after the whole block for step 2. Prompt
+   chunks (non-spec rows) run through vLLM's unchanged non-speculative path, which writes
+   their final state as usual.
 2. Commit (`commit_step`, from `GPUModelRunner._update_states_after_model_execute` after
    sampling): with vLLM's accepted counts (`(output_token_ids != -1).sum(1)`: accepted
-   drafts + 1), `gdn_replay` rebuilds each spec row's slot through exactly its accepted
-   prefix, in place. vLLM's `num_accepted_tokens` are then set to 1: the committed state
-   is in the request's only slot, with no offset for any later reader.
+   drafts + 1), a row whose whole block was accepted takes the scratch state after its
+   block (what the verify forward computed for exactly those tokens); `gdn_replay`
+   rebuilds every other row's slot through exactly its accepted prefix, in place. vLLM's
+   `num_accepted_tokens` are then set to 1: the committed state is in the request's only
+   slot, with no offset for any later reader.
 
 Nothing is kept across steps: a request preempted between steps loses its slot and
 re-prefills as a non-spec row.
@@ -40,11 +45,14 @@ GDN_TARGET_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
 
 @dataclasses.dataclass
 class StepRecord:
-    """What one GDN layer keeps from a verify forward until the commit of that step."""
+    """What one GDN layer keeps from a verify forward until the commit of that step: the
+    spec rows with drafts (one-token rows were committed by the forward itself)."""
 
-    inputs: VerifiedBlockInputs  # the spec rows' tokens, in spec-row order
-    slots: torch.Tensor  # [n] int64 state slot of each spec row
-    batch_rows: torch.Tensor  # [n] int64 the row of each spec row in the input batch
+    inputs: VerifiedBlockInputs  # the rows' tokens, in spec-row order
+    slots: torch.Tensor  # [n] int64 state slot of each row
+    batch_rows: torch.Tensor  # [n] int64 the row of each row in the input batch
+    block_windows: torch.Tensor  # [n, D, W-1] conv window after each row's whole block
+    block_states: torch.Tensor  # [n, HV, K, V] recurrent state after its whole block
 
 
 def replay_active(vllm_config) -> bool:
@@ -91,21 +99,22 @@ def _pools(layer) -> tuple[torch.Tensor, torch.Tensor]:
     return conv, ssm.view(n, hv, k, v)
 
 
-def _spec_rows_forward(layer, md, mixed_qkv: torch.Tensor, b: torch.Tensor,
-                       a: torch.Tensor) -> torch.Tensor:
-    """GDN core outputs [n_tokens, HV, V] of the spec rows, from their slots' states,
-    writing nothing to the pools. Tokens in spec-row order (`spec_query_start_loc`)."""
+def _drafted_rows_forward(layer, qsl: torch.Tensor, slots: torch.Tensor,
+                          mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GDN core outputs [n_tokens, HV, V] of n spec rows (tokens in row order, rows
+    starting at qsl [n + 1]) from their slots' states, writing nothing to the pools; with
+    the conv windows [n, D, W-1] and recurrent states [n, HV, K, V] after each whole row."""
     import vllm._custom_ops as ops
     from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as cpu_gdn
 
-    n = md.num_spec_decodes
-    qsl = md.spec_query_start_loc[: n + 1].to(torch.int32)
-    slots = md.spec_state_indices_tensor[:n, 0].long()
+    n = slots.shape[0]
+    qsl = qsl.to(torch.int32)
     conv_pool, ssm_pool = _pools(layer)
-    lens = qsl[1:] - qsl[:-1]
-    width = int(lens.max()) if n > 0 else 0
+    width = int((qsl[1:] - qsl[:-1]).max())
 
-    # Conv, as vLLM's non-speculative prefill runs it, on a copy of the windows.
+    # Conv, as vLLM's non-speculative prefill runs it, on a copy of the windows (the
+    # kernels leave the window after the row's last token in it).
     use_cpp_conv = torch.cpu._is_avx512_bf16_supported() or cpu_gdn.is_arm_bf16()
     scratch_windows = conv_pool.index_select(0, slots)  # [n, D, W-1], a copy
     ones = torch.ones(n, dtype=torch.bool)
@@ -114,21 +123,12 @@ def _spec_rows_forward(layer, md, mixed_qkv: torch.Tensor, b: torch.Tensor,
     silu = layer.activation == "silu"
     if use_cpp_conv:
         # The C++ kernels read the window through its [.., W-1, D] storage, as the pool's.
-        storage = scratch_windows.transpose(1, 2).contiguous().transpose(1, 2)
-        if x.shape[0] == 1:
-            # One token in all: the prefill kernel refuses a [D, 1] x (it wants a
-            # transposed, non-contiguous view); vLLM's decode conv is the same
-            # arithmetic for one position.
-            conv_out = ops.causal_conv1d_update_cpu(
-                x=x, conv_states=storage, weight=layer.conv1d.weight,
-                bias=layer.conv1d.bias, silu_activation=silu, conv_state_indices=rows,
-                is_weight_packed=True)
-        else:
-            conv_out = ops.causal_conv1d_fwd_cpu(
-                x=x.transpose(0, 1), weight=layer.conv1d.weight, bias=layer.conv1d.bias,
-                conv_states=storage, query_start_loc=qsl, cache_indices=rows,
-                has_initial_state=ones, silu_activation=silu,
-                is_weight_packed=True).transpose(0, 1)
+        scratch_windows = scratch_windows.transpose(1, 2).contiguous().transpose(1, 2)
+        conv_out = ops.causal_conv1d_fwd_cpu(
+            x=x.transpose(0, 1), weight=layer.conv1d.weight, bias=layer.conv1d.bias,
+            conv_states=scratch_windows, query_start_loc=qsl, cache_indices=rows,
+            has_initial_state=ones, silu_activation=silu,
+            is_weight_packed=True).transpose(0, 1)
     else:
         conv_out = cpu_gdn.causal_conv1d_torch(
             x=x.transpose(0, 1), weight=cpu_gdn._unpacked_conv_weight(layer),
@@ -138,58 +138,93 @@ def _spec_rows_forward(layer, md, mixed_qkv: torch.Tensor, b: torch.Tensor,
 
     # Recurrence: vLLM's CPU speculative kernel on scratch states. It resumes from
     # column num_accepted - 1 (= 0) and writes the state after position t to column t;
-    # every column names the row's scratch slot (1 + row; slot 0 is left unused).
+    # every column names the row's scratch slot (1 + row; slot 0 is left unused), which
+    # therefore ends at the state after the whole row.
     q, k, v = layer.rearrange_mixed_qkv(conv_out.contiguous())
     scratch = torch.empty((n + 1, *ssm_pool.shape[1:]), dtype=ssm_pool.dtype)
     scratch[1:] = ssm_pool.index_select(0, slots)
-    indices = (rows + 1)[:, None].expand(n, max(width, 1)).contiguous()
-    return ops.fused_sigmoid_gating_delta_rule_update_spec_cpu(
+    indices = (rows + 1)[:, None].expand(n, width).contiguous()
+    out = ops.fused_sigmoid_gating_delta_rule_update_spec_cpu(
         A_log=layer.A_log, dt_bias=layer.dt_bias, q=q.squeeze(0), k=k.squeeze(0),
         v=v.squeeze(0), a=a.contiguous(), b=b.contiguous(), initial_state_source=scratch,
         spec_state_indices=indices, num_accepted_tokens=torch.ones(n, dtype=torch.int32),
         cu_seqlens=qsl.contiguous(), use_qk_l2norm_in_kernel=True)
+    return out, scratch_windows, scratch[1:]
+
+
+def _as_decodes(md, slots: torch.Tensor):
+    """vLLM's metadata for running `slots` as plain one-token decodes (no speculation)."""
+    n = slots.shape[0]
+    return dataclasses.replace(
+        md, spec_sequence_masks=None, num_accepted_tokens=None, num_decodes=n,
+        num_decode_tokens=n, num_prefills=0, num_prefill_tokens=0,
+        non_spec_state_indices_tensor=slots,
+        non_spec_query_start_loc=torch.arange(n + 1, dtype=torch.int32))
 
 
 def gdn_core_cpu(original_nonspec, layer, md, mixed_qkv, b, a, core_attn_out) -> None:
     """In place of vLLM's `_cpu_gdn_attention_nonspec` for a marked layer (the conv
-    window is W - 1, so vLLM's CPU core always lands there): spec rows through
-    `_spec_rows_forward` (recorded for the commit), the rest through vLLM's path."""
+    window is W - 1, so vLLM's CPU core always lands there): one-token spec rows as
+    vLLM's decodes, drafted spec rows through `_drafted_rows_forward` (recorded for the
+    commit), the rest through vLLM's path."""
     masks_cpu = md.spec_sequence_masks_cpu
     if md.spec_sequence_masks is None or masks_cpu is None or md.num_spec_decodes == 0:
         layer._dspine_step = None
         return original_nonspec(layer, md, mixed_qkv, b, a, core_attn_out)
     n = md.num_spec_decodes
-    only_spec = md.num_prefills == 0 and md.num_decodes == 0
-    if only_spec:
-        num_spec_tokens = int(md.spec_query_start_loc[n])
+    qsl = md.spec_query_start_loc[: n + 1].long()
+    num_spec_tokens = int(qsl[n])
+    if md.num_prefills == 0 and md.num_decodes == 0:  # spec rows only: tokens 0 ..
         idx = None
         x_s, a_s, b_s = (t[:num_spec_tokens] for t in (mixed_qkv, a, b))
     else:
         idx = md.spec_token_indx.long()
         x_s, a_s, b_s = (t.index_select(0, idx) for t in (mixed_qkv, a, b))
-    out = _spec_rows_forward(layer, md, x_s, b_s, a_s)
+    slots = md.spec_state_indices_tensor[:n, 0]
+    lens = qsl[1:] - qsl[:-1]
+    single = lens == 1
+    out = torch.empty((num_spec_tokens, *core_attn_out.shape[1:]), dtype=core_attn_out.dtype)
+    if bool(single.any()):
+        # No drafts: the one position is committed whatever is sampled, so the slot is
+        # advanced now, by plain decoding's own kernels.
+        tok = qsl[:-1][single]
+        one_out = torch.empty((tok.shape[0], *core_attn_out.shape[1:]), dtype=out.dtype)
+        original_nonspec(layer, _as_decodes(md, slots[single].contiguous()),
+                         x_s.index_select(0, tok), b_s.index_select(0, tok),
+                         a_s.index_select(0, tok), one_out)
+        out.index_copy_(0, tok, one_out)
+    layer._dspine_step = None
+    drafted = (~single).nonzero().flatten()
+    if drafted.numel() > 0:
+        row_of_token = torch.repeat_interleave(torch.arange(n), lens)
+        tok = (~single)[row_of_token].nonzero().flatten()
+        d_qsl = torch.zeros(drafted.numel() + 1, dtype=torch.long)
+        d_qsl[1:] = lens[drafted].cumsum(0)
+        x_d, a_d, b_d = (t.index_select(0, tok) for t in (x_s, a_s, b_s))
+        d_slots = slots[drafted].long()
+        d_out, windows, states = _drafted_rows_forward(layer, d_qsl, d_slots, x_d, b_d, a_d)
+        out.index_copy_(0, tok, d_out.to(out.dtype))
+        batch_rows = masks_cpu.nonzero().flatten()[:n].long()[drafted]
+        layer._dspine_step = StepRecord(
+            inputs=VerifiedBlockInputs(mixed_qkv=x_d.clone(), a=a_d.clone(), b=b_d.clone(),
+                                       query_start_loc=d_qsl),
+            slots=d_slots, batch_rows=batch_rows, block_windows=windows,
+            block_states=states)
     if idx is None:
-        core_attn_out[: out.shape[0]] = out
-    else:
-        core_attn_out.index_copy_(0, idx, out.to(core_attn_out.dtype))
-        ns_idx = md.non_spec_token_indx
-        ns_idx = ns_idx.long() if ns_idx is not None else None
-        if ns_idx is not None and ns_idx.numel() > 0:
-            # vLLM's builder already made prefill metadata for the non-spec subset
-            # (decodes reclassified as one-token prefills); run it as a batch without
-            # speculation.
-            ns_md = dataclasses.replace(md, spec_sequence_masks=None,
-                                        num_accepted_tokens=None)
-            ns_out = torch.zeros((ns_idx.numel(), *core_attn_out.shape[1:]),
-                                 dtype=core_attn_out.dtype)
-            original_nonspec(layer, ns_md, mixed_qkv.index_select(0, ns_idx),
-                             b.index_select(0, ns_idx), a.index_select(0, ns_idx), ns_out)
-            core_attn_out.index_copy_(0, ns_idx, ns_out)
-    batch_rows = masks_cpu.nonzero().flatten()[:n].long()
-    layer._dspine_step = StepRecord(
-        inputs=VerifiedBlockInputs(mixed_qkv=x_s.clone(), a=a_s.clone(), b=b_s.clone(),
-                                   query_start_loc=md.spec_query_start_loc[: n + 1].long()),
-        slots=md.spec_state_indices_tensor[:n, 0].long().clone(), batch_rows=batch_rows)
+        core_attn_out[:num_spec_tokens] = out
+        return
+    core_attn_out.index_copy_(0, idx, out)
+    ns_idx = md.non_spec_token_indx
+    ns_idx = ns_idx.long() if ns_idx is not None else None
+    if ns_idx is not None and ns_idx.numel() > 0:
+        # vLLM's builder already made prefill metadata for the non-spec subset (decodes
+        # reclassified as one-token prefills); run it as a batch without speculation.
+        ns_md = dataclasses.replace(md, spec_sequence_masks=None, num_accepted_tokens=None)
+        ns_out = torch.zeros((ns_idx.numel(), *core_attn_out.shape[1:]),
+                             dtype=core_attn_out.dtype)
+        original_nonspec(layer, ns_md, mixed_qkv.index_select(0, ns_idx),
+                         b.index_select(0, ns_idx), a.index_select(0, ns_idx), ns_out)
+        core_attn_out.index_copy_(0, ns_idx, ns_out)
 
 
 def marked_layers(forward_context: dict) -> list:
@@ -198,9 +233,11 @@ def marked_layers(forward_context: dict) -> list:
 
 
 def commit_step(runner, output_token_ids: torch.Tensor) -> int:
-    """The commit of one step: every marked layer's recorded spec rows are replayed
-    through their accepted prefix. Returns the number of layers committed."""
-    counts = (output_token_ids != -1).sum(dim=1)
+    """The commit of one step: in every marked layer, each recorded (drafted) spec row
+    whose whole block was accepted takes the verify forward's state after the block; the
+    others are replayed through their accepted prefix. Returns the number of layers
+    committed."""
+    counts = (output_token_ids != -1).sum(dim=1).cpu()
     done = 0
     for layer in marked_layers(runner.compilation_config.static_forward_context):
         rec = getattr(layer, "_dspine_step", None)
@@ -208,8 +245,16 @@ def commit_step(runner, output_token_ids: torch.Tensor) -> int:
             continue
         layer._dspine_step = None
         conv_pool, ssm_pool = _pools(layer)
-        n_acc = counts.index_select(0, rec.batch_rows.to(counts.device)).long()
-        gdn_replay(ssm_pool.transpose(-1, -2), conv_pool, rec.inputs, n_acc.cpu(),
-                   gdn_weights(layer), state_indices=rec.slots)
+        n_acc = counts.index_select(0, rec.batch_rows).long()
+        qsl = rec.inputs.query_start_loc
+        whole = n_acc == qsl[1:] - qsl[:-1]
+        if bool(whole.any()):
+            conv_pool[rec.slots[whole]] = rec.block_windows[whole]
+            ssm_pool[rec.slots[whole]] = rec.block_states[whole]
+        if not bool(whole.all()):
+            # Rows taken whole count 0 here: the replay leaves their slots as they are.
+            gdn_replay(ssm_pool.transpose(-1, -2), conv_pool, rec.inputs,
+                       torch.where(whole, 0, n_acc), gdn_weights(layer),
+                       state_indices=rec.slots)
         done += 1
     return done

@@ -17,20 +17,18 @@ a planted successor habit ("a" -> "b", ...) so greedy text is readable and not a
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import save_file
 
-from vllm_dspine.config import ARCHITECTURE, MODEL_TYPE, DSpineConfig
-from vllm_dspine.model.checkpoint import random_draft_tensors, save_draft_checkpoint
+from vllm_dspine.config import DSpineConfig
+from vllm_dspine.model.checkpoint import random_draft_tensors
 from vllm_dspine.pairs.tiny import (
     EOS_TOKEN_ID,
     MASK_TOKEN_ID,
     _successor_map,
-    _write_json,
-    _write_tokenizer,
+    small_draft_config,
+    write_pair_folders,
 )
 
 # 3 GDN layers : 1 attention layer, as Qwen3.5's full_attention_interval 4.
@@ -159,43 +157,18 @@ def _target_tensors(seed: int, habit: float) -> dict[str, torch.Tensor]:
 
 def draft_config() -> DSpineConfig:
     """The drafter's config: the target's width and vocabulary, two layers, bf16."""
-    s = TARGET_SIZES
-    return DSpineConfig.from_dict({
-        "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
-        "hidden_size": s["hidden_size"], "intermediate_size": s["intermediate_size"],
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 64, "rms_norm_eps": s["rms_norm_eps"], "rope_theta": s["rope_theta"],
-        "max_position_embeddings": s["max_position_embeddings"], "sliding_window": None,
-        "vocab_size": s["vocab_size"], "torch_dtype": "bfloat16",
-        "dspine_config": {
-            "block_size": 16, "target_layer_ids": list(DRAFT_TARGET_LAYER_IDS),
-            "mask_token_id": MASK_TOKEN_ID, "causal": True, "code_dim": 64,
-            "message_dim": 32, "head_topk": 16, "coarse_topk": 64, "bridge_eps": 1e-6,
-        },
-    }, where="hybrid draft config")
+    return small_draft_config(TARGET_SIZES, target_layer_ids=DRAFT_TARGET_LAYER_IDS,
+                              head_dim=64, code_dim=64, message_dim=32,
+                              torch_dtype="bfloat16", where="hybrid draft config")
 
 
 def write_hybrid_pair(out_dir: str, seed: int = 0, *, habit: float = HABIT) -> HybridPair:
     """Write `out_dir/target` and `out_dir/draft`; the same seed gives the same bytes.
 
     habit: strength of the planted successor habit in the target's head (0: none)."""
-    target_dir = os.path.join(out_dir, "target")
-    draft_dir = os.path.join(out_dir, "draft")
-    os.makedirs(target_dir, exist_ok=True)
-    os.makedirs(draft_dir, exist_ok=True)
-
-    _write_json(os.path.join(target_dir, "config.json"), target_config())
-    _write_json(os.path.join(target_dir, "generation_config.json"), {
-        "eos_token_id": EOS_TOKEN_ID, "pad_token_id": EOS_TOKEN_ID, "do_sample": False,
-    })
-    save_file(_target_tensors(seed, habit), os.path.join(target_dir, "model.safetensors"),
-              metadata={"format": "pt"})
-    _write_tokenizer(target_dir, TARGET_SIZES["vocab_size"])
-
     cfg = draft_config()
-    cfg.check_target(hidden_size=TARGET_SIZES["hidden_size"],
-                     vocab_size=TARGET_SIZES["vocab_size"],
-                     num_layers=TARGET_SIZES["num_hidden_layers"], where="hybrid target")
-    save_draft_checkpoint(draft_dir, cfg,
-                          random_draft_tensors(cfg, seed + 1_000_003, dtype=torch.bfloat16))
+    target_dir, draft_dir = write_pair_folders(
+        out_dir, target_config(), _target_tensors(seed, habit), TARGET_SIZES, cfg,
+        random_draft_tensors(cfg, seed + 1_000_003, dtype=torch.bfloat16),
+        where="hybrid target")
     return HybridPair(target_dir=target_dir, draft_dir=draft_dir)

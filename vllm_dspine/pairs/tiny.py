@@ -184,30 +184,65 @@ def _target_config() -> dict:
 # Not the target's last layer (5): transformers' last `hidden_states` entry is
 # final-normed while vLLM's auxiliary output is the raw residual stream, and the tests
 # and the distillation compute features with transformers.
+def small_draft_config(sizes: dict, *, target_layer_ids: tuple[int, ...], head_dim: int,
+                       code_dim: int, message_dim: int, torch_dtype: str,
+                       sliding_window: int | None = None, where: str) -> DSpineConfig:
+    """A two-layer test drafter's config for a target of `sizes` (its width, vocabulary,
+    norm and RoPE settings); the tiny and the hybrid pair differ in the rest."""
+    return DSpineConfig.from_dict({
+        "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
+        "hidden_size": sizes["hidden_size"], "intermediate_size": sizes["intermediate_size"],
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": head_dim, "rms_norm_eps": sizes["rms_norm_eps"],
+        "rope_theta": sizes["rope_theta"],
+        "max_position_embeddings": sizes["max_position_embeddings"],
+        "sliding_window": sliding_window, "vocab_size": sizes["vocab_size"],
+        "torch_dtype": torch_dtype,
+        "dspine_config": {
+            "block_size": 16, "target_layer_ids": list(target_layer_ids),
+            "mask_token_id": MASK_TOKEN_ID, "causal": True, "code_dim": code_dim,
+            "message_dim": message_dim, "head_topk": 16, "coarse_topk": 64,
+            "bridge_eps": 1e-6,
+        },
+    }, where=where)
+
+
 def draft_config(target_layer_ids: tuple[int, ...] = (1, 3, 4),
                  sliding_window: int | None = None) -> DSpineConfig:
     """The tiny drafter's config: the target's width and vocabulary, two layers."""
-    s = TARGET_SIZES
-    return DSpineConfig.from_dict({
-        "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
-        "hidden_size": s["hidden_size"], "intermediate_size": s["intermediate_size"],
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 32, "rms_norm_eps": s["rms_norm_eps"], "rope_theta": s["rope_theta"],
-        "max_position_embeddings": s["max_position_embeddings"],
-        "sliding_window": sliding_window, "vocab_size": s["vocab_size"],
-        "torch_dtype": "float32",
-        "dspine_config": {
-            "block_size": 16, "target_layer_ids": list(target_layer_ids),
-            "mask_token_id": MASK_TOKEN_ID, "causal": True, "code_dim": 48,
-            "message_dim": 24, "head_topk": 16, "coarse_topk": 64, "bridge_eps": 1e-6,
-        },
-    }, where="tiny draft config")
+    return small_draft_config(TARGET_SIZES, target_layer_ids=target_layer_ids, head_dim=32,
+                              code_dim=48, message_dim=24, torch_dtype="float32",
+                              sliding_window=sliding_window, where="tiny draft config")
 
 
 def _write_json(path: str, obj: dict) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True)
         f.write("\n")
+
+
+def write_pair_folders(out_dir: str, target_config: dict,
+                       target_tensors: dict[str, torch.Tensor], sizes: dict,
+                       draft_cfg: DSpineConfig, draft_tensors: dict[str, torch.Tensor],
+                       where: str) -> tuple[str, str]:
+    """`out_dir/target` (config, generation config, weights, the byte-level tokenizer)
+    and `out_dir/draft` (the drafter checked against the target first) of a test pair;
+    returns (target_dir, draft_dir)."""
+    target_dir = os.path.join(out_dir, "target")
+    draft_dir = os.path.join(out_dir, "draft")
+    os.makedirs(target_dir, exist_ok=True)
+    os.makedirs(draft_dir, exist_ok=True)
+    _write_json(os.path.join(target_dir, "config.json"), target_config)
+    _write_json(os.path.join(target_dir, "generation_config.json"), {
+        "eos_token_id": EOS_TOKEN_ID, "pad_token_id": EOS_TOKEN_ID, "do_sample": False,
+    })
+    save_file(target_tensors, os.path.join(target_dir, "model.safetensors"),
+              metadata={"format": "pt"})
+    _write_tokenizer(target_dir, sizes["vocab_size"])
+    draft_cfg.check_target(hidden_size=sizes["hidden_size"], vocab_size=sizes["vocab_size"],
+                           num_layers=sizes["num_hidden_layers"], where=where)
+    save_draft_checkpoint(draft_dir, draft_cfg, draft_tensors)
+    return target_dir, draft_dir
 
 
 def write_tiny_pair(out_dir: str, seed: int = 0, *, habit: float = 0.5,
@@ -220,25 +255,11 @@ def write_tiny_pair(out_dir: str, seed: int = 0, *, habit: float = 0.5,
     trained: distil the drafter from the target (`train.distill.train_tiny_drafter`, about
     a minute and a half on 2 CPU cores) instead of leaving it random.
     """
-    target_dir = os.path.join(out_dir, "target")
-    draft_dir = os.path.join(out_dir, "draft")
-    os.makedirs(target_dir, exist_ok=True)
-    os.makedirs(draft_dir, exist_ok=True)
-
-    _write_json(os.path.join(target_dir, "config.json"), _target_config())
-    _write_json(os.path.join(target_dir, "generation_config.json"), {
-        "eos_token_id": EOS_TOKEN_ID, "pad_token_id": EOS_TOKEN_ID, "do_sample": False,
-    })
-    save_file(_target_tensors(seed, habit), os.path.join(target_dir, "model.safetensors"),
-              metadata={"format": "pt"})
-    _write_tokenizer(target_dir, TARGET_SIZES["vocab_size"])
-
     cfg = draft_config(target_layer_ids, draft_sliding_window)
-    cfg.check_target(hidden_size=TARGET_SIZES["hidden_size"],
-                     vocab_size=TARGET_SIZES["vocab_size"],
-                     num_layers=TARGET_SIZES["num_hidden_layers"], where="tiny target")
     # A different stream from the target's, so the drafter is not a copy of its weights.
-    save_draft_checkpoint(draft_dir, cfg, random_draft_tensors(cfg, seed + 1_000_003))
+    target_dir, draft_dir = write_pair_folders(
+        out_dir, _target_config(), _target_tensors(seed, habit), TARGET_SIZES, cfg,
+        random_draft_tensors(cfg, seed + 1_000_003), where="tiny target")
     if trained:
         from vllm_dspine.train import distill  # transformers + training: only when asked
 

@@ -55,6 +55,12 @@ Patches:
    linear-attention layers are Qwen3.5 / Qwen3-Next GDN (`_patch_gdn_*` below, the logic
    in `vllm_dspine/commit/runner.py`).
 
+11. `vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model`: for a DSpine draft,
+   before the step runs, the draft context K/V writes the proposer logged in steps
+   without a block (`DSpineProposer._store_context_only`) are applied when the
+   scheduler has freed KV blocks since the last step (`finished_req_ids`,
+   `preempted_req_ids`): this step's target forward may write into those blocks, and a
+   late write into them must not land on top of it. Nothing else changes.
 10. Only with `VLLM_DSPINE_STEP_PROFILE` set (bench/e2e.py): timers around
    `GPUModelRunner.execute_model`, `sample_tokens`, `_model_forward`, `_sample`,
    `propose_draft_token_ids` and `Scheduler.finish_requests` (aborts), written by
@@ -815,6 +821,34 @@ def _patch_gdn_commit() -> None:
     GPUModelRunner._update_states_after_model_execute = _update_states_after_model_execute
 
 
+def _patch_context_log_before_step() -> None:
+    """Patch 11 (module doc)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = _require(GPUModelRunner, "execute_model", "GPUModelRunner.execute_model")
+    if getattr(original, "_dspine_context_log", False):
+        return
+    _require_params(original, ["self", "scheduler_output", "intermediate_tensors"],
+                    "GPUModelRunner.execute_model")
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    fields = {f.name for f in __import__("dataclasses").fields(SchedulerOutput)}
+    for name in ("finished_req_ids", "preempted_req_ids"):
+        if name not in fields:
+            raise RuntimeError(f"vllm-dspine: SchedulerOutput has no `{name}` (vLLM "
+                               f"{installed_vllm_version()}, pinned {PINNED_VLLM_VERSION})")
+
+    @functools.wraps(original)
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        before = getattr(getattr(self, "drafter", None), "before_step", None)
+        if before is not None:
+            before(scheduler_output)
+        return original(self, scheduler_output, intermediate_tensors)
+
+    execute_model._dspine_context_log = True
+    GPUModelRunner.execute_model = execute_model
+
+
 def _patch_step_profile() -> None:
     """Only with `VLLM_DSPINE_STEP_PROFILE` set (bench/e2e.py): wall-time sections of
     the engine step (`plugin/step_profile.py`) around `GPUModelRunner.execute_model`,
@@ -880,6 +914,6 @@ def apply_patches() -> None:
                   _patch_build_logitsprocs, _patch_qwen3_5_text_without_torchvision,
                   _patch_gdn_layer_init, _patch_gdn_state_shape_from_config,
                   _patch_gdn_kv_cache_spec, _patch_gdn_cpu_core, _patch_gdn_commit,
-                  _patch_step_profile):
+                  _patch_context_log_before_step, _patch_step_profile):
         patch()
         _APPLIED.add(patch.__name__)

@@ -22,7 +22,8 @@ What this class adds (small overrides of the base class's hooks):
   as a list of per-request draft lists, which vLLM's synchronous scheduler verifies as
   drafted (as it does for ngram); vLLM slices each request's cached sparse q to the
   verified prefix. When nothing would be verified, the block forward is skipped and
-  only the draft context K/V of the newly committed positions is written.
+  only the draft context K/V of the newly committed positions is written (logged, and
+  applied in one batch before the next block: `_store_context_only`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,18 @@ from vllm_dspine.proposer.dynamic import (FIXED, GREEDY, SAMPLED, DynamicVerifie
 from vllm_dspine.proposer.sparse_q import pack_sparse_q
 
 logger = init_logger("vllm.dspine.proposer")  # under "vllm": printed in engine processes
+
+# Logged context K/V writes are applied once they hold this many tokens (or before the
+# next block): a few hundred rows make the projections' weight reads negligible, and
+# the log stays ~3 MB at SmolLM2's 5 x 576 features.
+CONTEXT_LOG_TOKENS = 256
+# An fp32 head (vLLM on CPU) with at most this many retrieval rows is scored in fp32
+# whole; above it a bf16 copy scores coarsely and the best 128 are rescored in fp32.
+# Measured (`python bench/bench_tail.py --dtype fp32 --hidden 576 --code 64 --message 32
+# --vocab V --reqs R --no-docs`, one thread): at 8 x 15 rows, V 6,227: 10.7 vs 37 ms;
+# V 16,384: 35 vs 45 ms; V 49,152: 90 vs 62 ms (the rescore's [rows, 128, H] gather is
+# what the copy costs; it pays only over the large product it saves).
+EXACT_FP32_MAX_VOCAB = 24_576
 
 
 def min_p_of_batch(sampling_metadata: SamplingMetadata, num_reqs: int
@@ -101,6 +114,15 @@ class DSpineProposer(DFlashProposer):
         self._last_confidence = None  # [num_reqs, K] numpy, for the policy
         # [num_reqs] bool: requests whose drafts this step may verify (None: all).
         self._own_stream: np.ndarray | None = None
+        # Context K/V writes of steps without a block, not yet applied (raw target
+        # features [n, L_aux * H], positions [n], slots [n]): `_store_context_only`.
+        self._context_log: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._context_log_tokens = 0
+        # Only where KV blocks are freed at request boundaries alone (which
+        # `before_step` sees): a sliding-window drafter frees blocks mid-request, and a
+        # hybrid target's state pages share memory with other groups' blocks.
+        self._log_context = (self.dspine.sliding_window is None
+                             and not vllm_config.model_config.is_hybrid)
 
     # ---------------------------------------------------------------- loading
     def load_model(self, target_model) -> None:
@@ -122,9 +144,11 @@ class DSpineProposer(DFlashProposer):
                 "compute capability >= 8.9); use 'auto' or 'bf16' on this device")
         if self.retrieval_mode != "bf16" and fp8_matmul_available(head.device):
             self._fp8_head = FP8Head.from_head(retrieval_head)
-        elif head.dtype == torch.float32 and self.retrieval_mode != "fp8":
+        elif (head.dtype == torch.float32 and self.retrieval_mode != "fp8"
+              and retrieval_head.shape[0] > EXACT_FP32_MAX_VOCAB):
             # An fp32 model (CPU): coarse scores from a bf16 copy of the head, the best
-            # coarse_topk rescored with the fp32 head (kernels/retrieval.py).
+            # coarse_topk rescored with the fp32 head (kernels/retrieval.py). Smaller
+            # heads are scored in fp32 whole: exact, and faster (EXACT_FP32_MAX_VOCAB).
             self._coarse_head = retrieval_head.to(torch.bfloat16).contiguous()
         bridge = self.model.model.bridge.weights()
         self._tail_tables = TailTables.build(bridge, head, self.model.model.norm.weight)
@@ -139,7 +163,7 @@ class DSpineProposer(DFlashProposer):
                     retrieval_head.shape[0],
                     "fp8+rescore" if self._fp8_head is not None else
                     "bf16 copy of the fp32 head+rescore" if self._coarse_head is not None
-                    else "bf16 full vocab")
+                    else f"{str(head.dtype).replace('torch.', '')} full vocab")
 
     # ------------------------------------------------------------------ hooks
     def set_inputs_first_pass(self, target_token_ids, next_token_ids, target_positions,
@@ -313,6 +337,7 @@ class DSpineProposer(DFlashProposer):
         t0 = prof.now() if prof is not None else 0.0
         r0 = prof.seconds["retrieval_tail"] if prof is not None else 0.0
         try:
+            self._flush_context_log()  # the block reads every earlier context write
             return super().propose(n, **inputs)
         finally:
             # vLLM's warm-up and dummy runs read it: keep the configured block.
@@ -351,20 +376,48 @@ class DSpineProposer(DFlashProposer):
         """The first part of vLLM's DFlash `propose` without the block: the newly
         committed positions' features -> draft context K/V in the draft KV cache (the
         positions vLLM rejected excluded, as always). Later blocks attend to exactly
-        these; a block's own rows are scratch that the next step's context overwrites."""
-        with timed("draft_forward"):
-            self._write_context_kv(inputs)
+        these; a block's own rows are scratch that the next step's context overwrites.
 
-    def _write_context_kv(self, inputs: dict) -> None:
-        self.num_speculative_tokens = self.dspine.num_proposals  # the kernel's layout
-        hidden = self.model.combine_hidden_states(inputs["target_hidden_states"])
-        self.set_inputs_first_pass(
-            inputs["target_token_ids"], inputs["next_token_ids"], inputs["target_positions"],
-            hidden, inputs["token_indices_to_sample"], inputs["common_attn_metadata"],
-            inputs["num_rejected_tokens_gpu"])
-        n = self._dflash_num_context
-        self.model.precompute_and_store_context_kv(
-            self._dflash_hidden_states, self._context_positions_buffer[:n],
-            self._context_slot_mapping_buffer[:n])
+        Where blocks are freed only when requests finish or are preempted, the write is
+        logged, not run: `_flush_context_log` applies the log in order before the next
+        block reads the cache (`_draft_rows`), before a step whose scheduler freed
+        blocks (`before_step`: its forward may write into them), or once the log holds
+        CONTEXT_LOG_TOKENS. Applied in order, a slot written twice ends as the eager
+        writes would leave it. Batched, the fc and K/V projections read their weights
+        once for many steps' tokens: the context-only path runs one or a few tokens a
+        step, and at that size it costs the projections' weight reads."""
+        with timed("draft_forward"):
+            self.num_speculative_tokens = self.dspine.num_proposals  # the kernel's layout
+            # vLLM's own layout kernel: positions and slots of the newly committed tokens
+            # (rejected ones get the padding slot, which the cache update skips).
+            self.set_inputs_first_pass(
+                inputs["target_token_ids"], inputs["next_token_ids"],
+                inputs["target_positions"], inputs["target_hidden_states"],
+                inputs["token_indices_to_sample"], inputs["common_attn_metadata"],
+                inputs["num_rejected_tokens_gpu"])
+            n = self._dflash_num_context
+            self._context_log.append((
+                inputs["target_hidden_states"][:n].clone(),  # [n, L_aux * H] raw features
+                self._context_positions_buffer[:n].clone(),  # [n]
+                self._context_slot_mapping_buffer[:n].clone()))  # [n]
+            self._context_log_tokens += n
+            if not self._log_context or self._context_log_tokens >= CONTEXT_LOG_TOKENS:
+                self._flush_context_log()
         self._last_sparse_q = None
         self._last_confidence = None
+
+    def before_step(self, scheduler_output) -> None:
+        """Called before each engine step runs (patch 11): blocks freed since the last
+        step may be written by this step's forward, so the logged writes go first."""
+        if self._context_log and (scheduler_output.finished_req_ids
+                                  or scheduler_output.preempted_req_ids):
+            self._flush_context_log()
+
+    def _flush_context_log(self) -> None:
+        """Writes the logged context K/V (oldest first, as one batch)."""
+        if not self._context_log:
+            return
+        log, self._context_log, self._context_log_tokens = self._context_log, [], 0
+        hidden, positions, slots = (torch.cat(parts) for parts in zip(*log))
+        self.model.precompute_and_store_context_kv(
+            self.model.combine_hidden_states(hidden), positions, slots)

@@ -65,6 +65,8 @@ FIXED = 2  # random with its own seed, or probed this step: verified at the step
 
 WARMUP_CAPS = (15, 0, 8, 2, 15, 4, 1, 0)  # lengths tried while the cost model is empty
 SKIP_AFTER = 8  # drafted steps in a row that did not pay before the drafter is skipped
+UNPAID_SHORTFALL = 0.4  # ... or one step whose best rate is this far below plain's
+CALIBRATED_TRIALS = 200  # verified drafts observed before that second rule applies
 PROBE_MIN, PROBE_MAX = 16, 512  # steps between probes while skipping (doubling)
 EXPLORE_EVERY = 64  # steps between probes while drafting (acceptance of long prefixes)
 ROWS_MIN = 2  # fewest drafts a drafted block has (enough to see whether draft 2 pays)
@@ -194,9 +196,10 @@ class EWLinear:
 
 class AcceptanceCalibrator:
     """alpha = P(draft t accepted | drafts < t accepted, confidence c), per kind (greedy
-    or sampled), position group (draft 1, 2-3, 4-7, 8-15) and confidence bin. A bin starts
-    from its own confidence as the estimate (two pseudo-observations) and follows the
-    acceptances vLLM reports; old observations fade (counts halve past 400)."""
+    or sampled), position group (draft 1, 2-3, 4-7, 8-15) and confidence bin. A bin
+    follows the acceptances vLLM reports from a prior of two pseudo-observations at the
+    acceptance seen over its whole kind and group (itself starting from the bin's
+    confidence); old observations fade (counts halve past 400)."""
 
     EDGES = np.array([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0])
     PRIOR = 2.0
@@ -221,7 +224,17 @@ class AcceptanceCalibrator:
         group = np.broadcast_to(self._group[:K], (R, K))
         b = self._bin(conf)
         s, n = self.success[kind, group, b], self.trials[kind, group, b]
-        return (s + self.PRIOR * self._prior[kind, group, b]) / (n + self.PRIOR)
+        return (s + self.PRIOR * self._pooled_prior()[kind, group, b]) / (n + self.PRIOR)
+
+    def _pooled_prior(self) -> np.ndarray:
+        """[2, 5, bins]: what a bin with few observations leans on: the acceptance
+        observed over all bins of its kind and position group (the bin's own confidence
+        counting as PRIOR observations). A bin's raw confidence alone was optimistic by
+        ~40 % on SmolLM2's drafter, whose tail probabilities are overconfident (docs/
+        dynamic-verification.md)."""
+        S = self.success.sum(-1, keepdims=True)
+        N = self.trials.sum(-1, keepdims=True)
+        return (S + self.PRIOR * self._prior) / (N + self.PRIOR)
 
     def observe(self, conf: np.ndarray, greedy: bool, accepted: int, verified: int) -> None:
         """One verification: drafts 0..accepted-1 accepted, draft `accepted` rejected
@@ -434,6 +447,11 @@ class DynamicVerifier:
         # Summary since the last log line.
         self.hist = np.zeros(num_proposals + 1, dtype=np.int64)
         self.steps_drafted = 0
+        # Drafts accepted: expected by the policy when it chose (sum of G over the
+        # verified prefixes) and as vLLM then reported, over the same verifications.
+        self.expected_accepted = 0.0
+        self.observed_accepted = 0
+        self._expected: dict[str, float] = {}
         self.steps_context = 0
         self._last_log = clock()
 
@@ -472,6 +490,12 @@ class DynamicVerifier:
                 n = min(n, len(conf))
                 seen.append((conf, greedy, min(max(n - int(rejected[i]), 0), n), n))
             self.calibrator.observe_many(seen)
+        if rejected is not None and self._expected:
+            for i, rid in enumerate(req_ids):
+                if rid in self._expected and verified[i] > 0:
+                    self.expected_accepted += self._expected[rid]
+                    self.observed_accepted += max(int(verified[i]) - int(rejected[i]), 0)
+        self._expected = {}
         self._t_begin = now
 
     def plan(self, kinds: np.ndarray, caps: np.ndarray) -> Plan:
@@ -518,7 +542,8 @@ class DynamicVerifier:
             kinds[i] = FIXED
             policy[i] = False
         rows = self._rows = conf.shape[1]  # drafts this block computed
-        caps = np.minimum(caps if plan.caps is None else np.minimum(caps, plan.caps), rows)
+        # plan.caps: the caller's caps after the seeded rule (never above them).
+        caps = np.minimum(caps if plan.caps is None else plan.caps, rows)
         if not self.ready:
             cap = WARMUP_CAPS[self._warm % len(WARMUP_CAPS)]
             self._warm += 1
@@ -532,6 +557,8 @@ class DynamicVerifier:
                                     self.context_seconds(R),
                                     self.max_batch_tokens)
             lengths = choice.lengths
+            self._expected = {rid: float(G[i, :lengths[i]].sum())
+                              for i, rid in enumerate(req_ids) if lengths[i] > 0}
             self.threshold = choice.threshold
             pays = choice.rho_draft > choice.rho_plain
             self._update_row_budget(lengths[policy & (caps > 0)], rows)
@@ -541,7 +568,17 @@ class DynamicVerifier:
                 elif self._probing:
                     self.probe_interval = min(2 * self.probe_interval, PROBE_MAX)
             else:
-                self.unpaid = 0 if pays else self.unpaid + 1
+                # Once acceptance is calibrated, a step far from paying counts as
+                # several: at high load drafting can miss by half, and each such step
+                # costs the drafter's whole forward; near break-even (noise), or while
+                # the estimates still start from the confidences, a step counts once.
+                shortfall = 1.0 - choice.rho_draft / max(choice.rho_plain, 1e-12)
+                weight = 1
+                if self.calibrator.trials.sum() >= CALIBRATED_TRIALS:
+                    weight = max(1, math.ceil(SKIP_AFTER * shortfall / UNPAID_SHORTFALL))
+                # A step that pays takes one count back (not all: at concurrency 1 a
+                # few confident steps that pay must not hide a run that does not).
+                self.unpaid = max(self.unpaid - 1, 0) if pays else self.unpaid + weight
                 if self.unpaid >= SKIP_AFTER:
                     self.skipping, self.since_probe = True, 0
         self._last = {rid: (conf[i], bool(greedy[i]))
@@ -588,6 +625,8 @@ class DynamicVerifier:
             "mean_verified": float((self.hist * np.arange(len(self.hist))).sum() / total)
             if total else 0.0,
             "steps_drafted": self.steps_drafted,
+            "expected_accepted": round(self.expected_accepted, 1),
+            "observed_accepted": self.observed_accepted,
             "steps_context_only": self.steps_context,
             "skipping": self.skipping,
             "threshold": self.threshold,
@@ -603,11 +642,14 @@ class DynamicVerifier:
             logger.info(
                 "DSpine dynamic verification: %d request-steps, %.2f drafts verified per "
                 "request-step (length:count %s); drafter ran in %d steps, context only "
-                "in %d%s; sampled threshold %s; step cost %s", s["request_steps"],
+                "in %d%s; drafts accepted %d (the policy expected %.1f); sampled "
+                "threshold %s; step cost %s", s["request_steps"],
                 s["mean_verified"], hist, s["steps_drafted"], s["steps_context_only"],
                 " (skipping the drafter, probing)" if s["skipping"] else "",
+                s["observed_accepted"], s["expected_accepted"],
                 "none yet" if s["threshold"] is None else f"{s['threshold']:.3f}",
                 s["cost"])
         self.hist[:] = 0
         self.steps_drafted = self.steps_context = 0
+        self.expected_accepted, self.observed_accepted = 0.0, 0
         self._last_log = self.clock() if now is None else now
