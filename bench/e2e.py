@@ -7,6 +7,9 @@ the continuous logits), dspine-nobridge (the no-bridge drafter with DSpine's tai
 dspine (fixed 15-draft verification), dspine-dynamic (dynamic verification,
 docs/dynamic-verification.md). Workloads: HumanEval prompts (test data, chat template
 applied) and a chat set (cycled when a concurrency needs more prompts than it has).
+Prefix caching is off unless `--prefix-caching`: the cycled prompts would hit the cache,
+and with a draft model vLLM drops the last matched block (128 tokens on CPU), so plain
+and the drafted methods would prefill different amounts of the same prompts.
 
 Per (method, workload, sampling, concurrency): output tokens/s; from vLLM's own
 spec-decode counters the mean acceptance length and acceptance per position; from inside
@@ -168,7 +171,8 @@ def abort_probe(llm, prompts: list[list[int]], profile_path: str, n: int = 8) ->
 
 def run_method(method: str, pair: str, workloads: dict, samplings: list[str],
                concurrencies: list[int], max_tokens: int, log,
-               prompts_c1: int | None = None, profile_dir: str | None = None) -> list[dict]:
+               prompts_c1: int | None = None, profile_dir: str | None = None,
+               prefix_caching: bool = False) -> list[dict]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm_dspine.plugin.step_profile import read
@@ -182,7 +186,8 @@ def run_method(method: str, pair: str, workloads: dict, samplings: list[str],
     try:
         llm = LLM(target, speculative_config=spec_of(method, pair), dtype="float32",
                   enforce_eager=True, max_model_len=2048, max_num_seqs=max(concurrencies),
-                  seed=0, disable_log_stats=False, gpu_memory_utilization=0.15)
+                  seed=0, disable_log_stats=False, gpu_memory_utilization=0.15,
+                  enable_prefix_caching=prefix_caching)
     finally:
         os.environ.pop(PROFILE_ENV, None)
     tok = llm.get_tokenizer()
@@ -425,6 +430,11 @@ def main() -> None:
                          "dspine-notail, dspine-nobridge) run up to this concurrency only: "
                          "above ~8 they run at a fraction of plain on this CPU and would "
                          "take most of the run (0: no limit)")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="keep vLLM's default prefix caching (default: off). The prompts "
+                    "are cycled above --prompts, so with it on the repeats hit the cache; "
+                    "with a DSpine/dflash/EAGLE draft vLLM drops the last matched block "
+                    "(128 tokens on CPU), so the methods would prefill different amounts")
     ap.add_argument("--json", default=None)
     ap.add_argument("--doc", default=str(DOC))
     ap.add_argument("--img", default=str(IMG), help="folder of the PNG plots")
@@ -459,7 +469,7 @@ def main() -> None:
             cm = [c for c in concs if c <= args.fixed_max_concurrency] or concs[:1]
         log(f"starting {m} (concurrency {','.join(map(str, cm))}) ...")
         rows.extend(run_method(m, args.pair, workloads, samplings, cm, args.max_tokens, log,
-                               args.prompts_c1))
+                               args.prompts_c1, prefix_caching=args.prefix_caching))
     import torch
 
     cmd = "python bench/e2e.py " + " ".join(sys.argv[1:])
@@ -476,7 +486,9 @@ def main() -> None:
             f"method. Command: `{cmd}`. "
             f"{args.prompts} prompts per workload ({args.prompts_c1} at concurrency 1; "
             f"cycled above {args.prompts}), {args.max_tokens} new tokens at most, "
-            f"chat template applied; t0.7 = temperature 0.7, top-p 0.95, no per-request "
+            f"chat template applied; prefix caching "
+            f"{'on (vLLM default)' if args.prefix_caching else 'off'}; "
+            f"t0.7 = temperature 0.7, top-p 0.95, no per-request "
             f"seed; ngram k 5 (lookup 2-4), DSpine/dflash k {K}; the methods that verify all "
             f"{K} drafts ({', '.join(FIXED_METHODS)}) ran up to concurrency "
             f"{args.fixed_max_concurrency or max(concs)}. "
