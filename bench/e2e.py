@@ -48,6 +48,7 @@ import os
 import pathlib
 import platform
 import sys
+import tempfile
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -176,8 +177,6 @@ def run_method(method: str, pair: str, workloads: dict, samplings: list[str],
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm_dspine.plugin.step_profile import read
-
-    import tempfile
 
     profile_dir = profile_dir or tempfile.mkdtemp(prefix="dspine-profile-")
     profile_path = os.path.join(profile_dir, f"{method}.json")
@@ -473,7 +472,10 @@ def main() -> None:
     import torch
 
     cmd = "python bench/e2e.py " + " ".join(sys.argv[1:])
-    img = pathlib.Path(args.img)
+    # The plots belong to the doc's table: with --no-doc they go to a scratch folder
+    # unless --img names one.
+    img = pathlib.Path(args.img if not args.no_doc or args.img != str(IMG)
+                       else tempfile.mkdtemp(prefix="e2e-plots-"))
     pngs = plots(rows, img)
     rel = [os.path.relpath(p, pathlib.Path(args.doc).parent) for p in pngs]
     head = (f"### End to end on SmolLM2-135M-Instruct (bench/e2e.py), "
