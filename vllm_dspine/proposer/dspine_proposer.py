@@ -396,13 +396,16 @@ class DSpineProposer(DFlashProposer):
                 inputs["token_indices_to_sample"], inputs["common_attn_metadata"],
                 inputs["num_rejected_tokens_gpu"])
             n = self._dflash_num_context
-            self._context_log.append((
-                inputs["target_hidden_states"][:n].clone(),  # [n, L_aux * H] raw features
-                self._context_positions_buffer[:n].clone(),  # [n]
-                self._context_slot_mapping_buffer[:n].clone()))  # [n]
-            self._context_log_tokens += n
-            if not self._log_context or self._context_log_tokens >= CONTEXT_LOG_TOKENS:
-                self._flush_context_log()
+            hidden = inputs["target_hidden_states"][:n]  # [n, L_aux * H] raw features
+            positions = self._context_positions_buffer[:n]  # [n]
+            slots = self._context_slot_mapping_buffer[:n]  # [n]
+            if not self._log_context:  # eager: written now, nothing kept
+                self._write_context(hidden, positions, slots)
+            else:  # kept past this step: copies (the buffers are reused)
+                self._context_log.append((hidden.clone(), positions.clone(), slots.clone()))
+                self._context_log_tokens += n
+                if self._context_log_tokens >= CONTEXT_LOG_TOKENS:
+                    self._flush_context_log()
         self._last_sparse_q = None
         self._last_confidence = None
 
@@ -418,6 +421,11 @@ class DSpineProposer(DFlashProposer):
         if not self._context_log:
             return
         log, self._context_log, self._context_log_tokens = self._context_log, [], 0
-        hidden, positions, slots = (torch.cat(parts) for parts in zip(*log))
+        self._write_context(*(torch.cat(parts) for parts in zip(*log)))
+
+    def _write_context(self, hidden: torch.Tensor, positions: torch.Tensor,
+                       slots: torch.Tensor) -> None:
+        """Context K/V of raw target features [n, L_aux * H] at `positions` into the
+        draft KV cache `slots` [n]."""
         self.model.precompute_and_store_context_kv(
             self.model.combine_hidden_states(hidden), positions, slots)

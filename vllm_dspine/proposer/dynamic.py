@@ -212,6 +212,7 @@ class AcceptanceCalibrator:
         self._prior = np.broadcast_to(centers, (2, 5, nb)).copy()
         self.success = np.zeros((2, 5, nb))
         self.trials = np.zeros((2, 5, nb))
+        self._pooled = self._pooled_prior()  # refreshed by observe_many
 
     def _bin(self, conf: np.ndarray) -> np.ndarray:
         return np.clip(np.searchsorted(self.EDGES, conf, side="right") - 1, 0,
@@ -224,7 +225,7 @@ class AcceptanceCalibrator:
         group = np.broadcast_to(self._group[:K], (R, K))
         b = self._bin(conf)
         s, n = self.success[kind, group, b], self.trials[kind, group, b]
-        return (s + self.PRIOR * self._pooled_prior()[kind, group, b]) / (n + self.PRIOR)
+        return (s + self.PRIOR * self._pooled[kind, group, b]) / (n + self.PRIOR)
 
     def _pooled_prior(self) -> np.ndarray:
         """[2, 5, bins]: what a bin with few observations leans on: the acceptance
@@ -262,6 +263,7 @@ class AcceptanceCalibrator:
         if full.any():
             self.trials[full] /= 2
             self.success[full] /= 2
+        self._pooled = self._pooled_prior()
 
 
 def draft_confidence(
@@ -434,7 +436,9 @@ class DynamicVerifier:
         self.since_probe = 0
         self.probe_cursor = 0
         self._probing = False
-        self._last: dict[str, tuple[np.ndarray, bool]] = {}
+        # req id -> (confidences, greedy, accepted drafts the policy expected or None
+        # before the cost model was ready) of the block it verified last step.
+        self._last: dict[str, tuple[np.ndarray, bool, float | None]] = {}
         self._prev_ids: set[str] = set()
         self._t_begin: float | None = None
         self._t_end: float | None = None
@@ -451,7 +455,6 @@ class DynamicVerifier:
         # verified prefixes) and as vLLM then reported, over the same verifications.
         self.expected_accepted = 0.0
         self.observed_accepted = 0
-        self._expected: dict[str, float] = {}
         self.steps_context = 0
         self._last_log = clock()
 
@@ -483,19 +486,17 @@ class DynamicVerifier:
             seen = []
             for i, rid in enumerate(req_ids):
                 last = self._last.get(rid)
-                n = verified[i]
+                n = int(verified[i])
                 if last is None or n <= 0:
                     continue
-                conf, greedy = last
+                conf, greedy, expected = last
+                accepted = max(n - int(rejected[i]), 0)
                 n = min(n, len(conf))
-                seen.append((conf, greedy, min(max(n - int(rejected[i]), 0), n), n))
+                seen.append((conf, greedy, min(accepted, n), n))
+                if expected is not None:
+                    self.expected_accepted += expected
+                    self.observed_accepted += accepted
             self.calibrator.observe_many(seen)
-        if rejected is not None and self._expected:
-            for i, rid in enumerate(req_ids):
-                if rid in self._expected and verified[i] > 0:
-                    self.expected_accepted += self._expected[rid]
-                    self.observed_accepted += max(int(verified[i]) - int(rejected[i]), 0)
-        self._expected = {}
         self._t_begin = now
 
     def plan(self, kinds: np.ndarray, caps: np.ndarray) -> Plan:
@@ -548,6 +549,7 @@ class DynamicVerifier:
             cap = WARMUP_CAPS[self._warm % len(WARMUP_CAPS)]
             self._warm += 1
             lengths = np.where(kinds == FIXED, caps, np.minimum(caps, cap))
+            expected = None
         else:
             alpha = np.clip(self.calibrator.predict(conf, greedy), 0.0, 1.0)
             G = np.cumprod(alpha, axis=1)
@@ -557,8 +559,7 @@ class DynamicVerifier:
                                     self.context_seconds(R),
                                     self.max_batch_tokens)
             lengths = choice.lengths
-            self._expected = {rid: float(G[i, :lengths[i]].sum())
-                              for i, rid in enumerate(req_ids) if lengths[i] > 0}
+            expected = np.where(np.arange(G.shape[1]) < lengths[:, None], G, 0.0).sum(1)
             self.threshold = choice.threshold
             pays = choice.rho_draft > choice.rho_plain
             self._update_row_budget(lengths[policy & (caps > 0)], rows)
@@ -581,7 +582,8 @@ class DynamicVerifier:
                 self.unpaid = max(self.unpaid - 1, 0) if pays else self.unpaid + weight
                 if self.unpaid >= SKIP_AFTER:
                     self.skipping, self.since_probe = True, 0
-        self._last = {rid: (conf[i], bool(greedy[i]))
+        self._last = {rid: (conf[i], bool(greedy[i]),
+                            None if expected is None else float(expected[i]))
                       for i, rid in enumerate(req_ids) if lengths[i] > 0}
         np.add.at(self.hist, lengths[caps > 0], 1)
         self.steps_drafted += 1
