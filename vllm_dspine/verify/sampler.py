@@ -172,6 +172,19 @@ class SparseRejectionSampler(RejectionSampler):
         _check_logits_processors(sampling_metadata)
         num_draft_tokens = metadata.num_draft_tokens
 
+        if metadata.max_spec_len == 0 and sampling_metadata.max_num_logprobs is None:
+            # No request verifies a draft this step (dynamic verification skipped them
+            # all): each request's token is its bonus token, vLLM's own sampler on its
+            # one row, as plain decoding samples it. The rejection path below would add
+            # nothing but a [num_reqs, vocab] exponential draw from the global RNG for
+            # recovered tokens that no row can need (seeded generators are not touched
+            # there either for rows without drafts).
+            bonus = self.sampler(logits=logits[metadata.bonus_logits_indices],
+                                 sampling_metadata=sampling_metadata,
+                                 predict_bonus_token=True)
+            return SamplerOutput(sampled_token_ids=bonus.sampled_token_ids.to(torch.int32),
+                                 logprobs_tensors=None)
+
         # Bonus tokens: vLLM's own sampler on the bonus rows (as RejectionSampler).
         bonus_logits = logits[metadata.bonus_logits_indices]
         bonus_sampler_output = self.sampler(
