@@ -4,9 +4,11 @@ chose and why. For looking into the policy; bench/e2e.py is the side-by-side ben
     source scripts/env.sh
     OMP_NUM_THREADS=1 taskset -c 0 python bench/policy_probe.py dspine-dynamic --concurrency 1
     python bench/policy_probe.py plain --concurrency 32 --max-tokens 96
+    python bench/policy_probe.py dspine-dynamic --concurrency 8 --prompts 8 \
+        --temperature 0.7 --verify-cost '{"step_s": 10, "token_s": 1, "draft_s": 10}'
 
-Runs `--concurrency` HumanEval prompts at a time (greedy, `ignore_eos`, chat template
-applied) through `LLM.generate` after a 16-token warm-up request, with the engine's step
+Runs `--concurrency` HumanEval prompts at a time (greedy or `--temperature`, `ignore_eos`,
+chat template applied) through `LLM.generate` after a 16-token warm-up request, with the engine's step
 profile on (`VLLM_DSPINE_STEP_PROFILE`) and vLLM's engine core in this process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the proposer's `DynamicVerifier` can be read at
 the end. Prints tokens/s, the step profile per step (ms), and for a DSpine method the
@@ -39,6 +41,10 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=2,
                     help="prompts in all (at least --concurrency)")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--verify-cost", default=None,
+                    help="a dspine_verify_cost JSON for a DSpine method (a cost model "
+                    "that never pays gives the steps without drafts)")
     args = ap.parse_args()
 
     from vllm_dspine.plugin.cpu_env import set_cpu_defaults
@@ -57,7 +63,12 @@ def main() -> None:
 
     pair = pathlib.Path(args.pair)
     conc = max(1, args.concurrency)
-    llm = LLM(str(pair / "target"), speculative_config=spec_of(args.method, pair),
+    spec = spec_of(args.method, pair)
+    if args.verify_cost is not None:
+        if spec is None or spec.get("method") != "dspine":
+            raise SystemExit("--verify-cost needs a DSpine method")
+        spec["dspine_verify_cost"] = json.loads(args.verify_cost)
+    llm = LLM(str(pair / "target"), speculative_config=spec,
               dtype="float32", enforce_eager=True, max_model_len=2048, max_num_seqs=conc,
               seed=0, gpu_memory_utilization=0.15)
     tok = llm.get_tokenizer()
@@ -67,7 +78,8 @@ def main() -> None:
                add_special_tokens=False)["input_ids"] for t in texts]
     llm.generate([TokensPrompt(prompt_token_ids=ids[0])], SamplingParams(max_tokens=16),
                  use_tqdm=False)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            ignore_eos=True)
     before = read(profile_path)
     t0, tokens = time.perf_counter(), 0
     for i in range(0, len(ids), conc):
