@@ -98,6 +98,31 @@ def test_zero_drafts_when_the_cost_model_says_verification_cannot_pay():
     assert v.summary()["skipping"]
 
 
+def test_requests_arriving_while_skipping_are_probed_soon():
+    """While the drafter is skipped, probes come at doubling intervals (16, 32, 64, ...
+    steps). A request that arrives meanwhile (a new workload whose acceptance nobody has
+    seen) is probed PROBE_MIN steps after the last probe at the earliest, once, and that
+    early probe does not double the interval; the requests there all along wait for it."""
+    v = DynamicVerifier(K, FixedCost(step_s=0.0, token_s=1.0, draft_s=0.0))
+    ids = ["a", "b", "c", "d"]
+    kinds = [GREEDY] * 4
+    conf = np.full((4, K), 0.95)
+    for _ in range(SKIP_AFTER):
+        _step(v, ids, kinds, conf)
+    assert v.summary()["skipping"]
+    probes = [i + 1 for i in range(7 * PROBE_MIN) if _step(v, ids, kinds, conf)[0]]
+    assert probes == [PROBE_MIN, 3 * PROBE_MIN, 7 * PROBE_MIN]  # the interval is 8x now
+    ids5, kinds5, conf5 = ids + ["e"], kinds + [GREEDY], np.full((5, K), 0.95)
+    drafted = [_step(v, ids5, kinds5, conf5) for _ in range(9 * PROBE_MIN)]
+    steps = [i + 1 for i, (d, _) in enumerate(drafted) if d]
+    # "e" at PROBE_MIN steps; then the regular probe, the interval (8 x PROBE_MIN, not
+    # doubled by the early probe) after it.
+    assert steps == [PROBE_MIN, 9 * PROBE_MIN], steps
+    lengths = drafted[PROBE_MIN - 1][1]
+    assert lengths[4] == PROBE_ROWS and (lengths[:4] < PROBE_ROWS).all(), lengths
+    assert v.summary()["skipping"]
+
+
 def test_a_step_far_from_paying_skips_the_drafter_at_once():
     """Near break-even, or before CALIBRATED_TRIALS verified drafts were observed, a
     drafted step that does not pay counts once toward SKIP_AFTER; once calibrated, a

@@ -68,6 +68,9 @@ SKIP_AFTER = 8  # drafted steps in a row that did not pay before the drafter is 
 UNPAID_SHORTFALL = 0.4  # ... or one step whose best rate is this far below plain's
 CALIBRATED_TRIALS = 200  # verified drafts observed before that second rule applies
 PROBE_MIN, PROBE_MAX = 16, 512  # steps between probes while skipping (doubling)
+# While skipping, requests that arrived since the skip began are probed, PROBE_MIN steps
+# after the last probe at the earliest, whatever the doubled interval: acceptance belongs
+# to the workload, and a new one should not wait up to PROBE_MAX steps to be seen.
 EXPLORE_EVERY = 64  # steps between probes while drafting (acceptance of long prefixes)
 ROWS_MIN = 2  # fewest drafts a drafted block has (enough to see whether draft 2 pays)
 PROBE_ROWS = 4  # drafts of a probe while the drafter is skipped
@@ -436,6 +439,9 @@ class DynamicVerifier:
         self.since_probe = 0
         self.probe_cursor = 0
         self._probing = False
+        self._arrival_probe = False  # this step's probe is for newly arrived requests
+        # While skipping: the requests there when it began, and those probed since.
+        self._skip_known: set[str] = set()
         # req id -> (confidences, greedy, accepted drafts the policy expected or None
         # before the cost model was ready) of the block it verified last step.
         self._last: dict[str, tuple[np.ndarray, bool, float | None]] = {}
@@ -508,7 +514,7 @@ class DynamicVerifier:
         if seeded.any():
             caps = np.minimum(caps, self.seeded.lengths(self._req_ids, self._observed, seeded))
         live = caps > 0
-        self._probing = False
+        self._probing = self._arrival_probe = False
         if not live.any():
             return Plan(False, caps=caps)
         if not self.ready:
@@ -517,16 +523,26 @@ class DynamicVerifier:
         if seeded_rows:
             return Plan(True, rows=max(seeded_rows, min(self.row_budget, self.K)), caps=caps)
         self.since_probe += 1
+        dyn = np.nonzero(live & (kinds != FIXED))[0]
+        arrived: list[int] = []
+        if self.skipping:
+            self._skip_known.intersection_update(self._req_ids)  # forget finished ones
+            arrived = [int(i) for i in dyn if self._req_ids[i] not in self._skip_known]
         if self.skipping and self.since_probe < self.probe_interval:
-            return Plan(False, caps=caps)
+            if not (arrived and self.since_probe >= PROBE_MIN):
+                return Plan(False, caps=caps)
+            self._arrival_probe = True  # early: does not double the interval
         if not self.skipping and self.since_probe < EXPLORE_EVERY:
             return Plan(True, rows=min(self.row_budget, self.K), caps=caps)
         self.since_probe = 0
         self._probing = True
-        dyn = np.nonzero(live & (kinds != FIXED))[0]
-        count = max(1, -(-len(dyn) // PROBES_PER_REQUESTS))
-        picked = {int(dyn[(self.probe_cursor + j) % len(dyn)]) for j in range(count)}
-        self.probe_cursor += count
+        if arrived:  # new requests first, all of them
+            picked = set(arrived)
+        else:
+            count = max(1, -(-len(dyn) // PROBES_PER_REQUESTS))
+            picked = {int(dyn[(self.probe_cursor + j) % len(dyn)]) for j in range(count)}
+            self.probe_cursor += count
+        self._skip_known.update(self._req_ids[i] for i in picked)
         # A probe drafts every request's block (vLLM's DFlash layout), so its rows are
         # what it costs: while skipping, the first PROBE_ROWS drafts (do short prefixes
         # pay again?); while drafting, twice the budget (longer prefixes, step by step).
@@ -566,7 +582,7 @@ class DynamicVerifier:
             if self.skipping:
                 if pays:
                     self.skipping, self.unpaid, self.probe_interval = False, 0, PROBE_MIN
-                elif self._probing:
+                elif self._probing and not self._arrival_probe:
                     self.probe_interval = min(2 * self.probe_interval, PROBE_MAX)
             else:
                 # Once acceptance is calibrated, a step far from paying counts as
@@ -582,6 +598,7 @@ class DynamicVerifier:
                 self.unpaid = max(self.unpaid - 1, 0) if pays else self.unpaid + weight
                 if self.unpaid >= SKIP_AFTER:
                     self.skipping, self.since_probe = True, 0
+                    self._skip_known = set(req_ids)
         self._last = {rid: (conf[i], bool(greedy[i]),
                             None if expected is None else float(expected[i]))
                       for i, rid in enumerate(req_ids) if lengths[i] > 0}
