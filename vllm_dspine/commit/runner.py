@@ -245,8 +245,8 @@ class BoundaryStores:
     needs the state after B - c of the block's positions. When that block is the running
     one (B = c + len, the whole block accepted) the commit itself writes it."""
 
-    rows: torch.Tensor  # [n] bool, over the record's rows: the rows that store
-    counts: torch.Tensor  # [n] int64 positions to replay into the boundary block (0: none)
+    counts: torch.Tensor  # [n] int64, over the record's rows: positions to replay into
+    #                       the boundary block (0: the row stores nothing)
     slots: torch.Tensor  # [n] int64 the boundary block's slot (the row's own where none)
 
 
@@ -296,10 +296,9 @@ def boundary_stores(runner, gid: int, rec: StepRecord,
             continue
         counts[i] = boundary - c
         slots[i] = req.block_ids[gid][dest]
-    rows = counts > 0
-    if not bool(rows.any()):
+    if not bool((counts > 0).any()):
         return None
-    return BoundaryStores(rows=rows, counts=counts, slots=slots)
+    return BoundaryStores(counts=counts, slots=slots)
 
 
 def commit_step(runner, output_token_ids: torch.Tensor) -> int:
@@ -329,9 +328,9 @@ def commit_step(runner, output_token_ids: torch.Tensor) -> int:
         if stores is not None:
             # First the boundary block: the checkpoint (still in the running slot) copied
             # there, then replayed through the positions up to the boundary.
-            dest = stores.slots[stores.rows]
-            conv_pool[dest] = conv_pool[rec.slots[stores.rows]]
-            ssm_pool[dest] = ssm_pool[rec.slots[stores.rows]]
+            rows = stores.counts > 0
+            conv_pool[stores.slots[rows]] = conv_pool[rec.slots[rows]]
+            ssm_pool[stores.slots[rows]] = ssm_pool[rec.slots[rows]]
             gdn_replay(ssm_pool.transpose(-1, -2), conv_pool, rec.inputs, stores.counts,
                        gdn_weights(layer), state_indices=stores.slots)
         whole = n_acc == qsl[1:] - qsl[:-1]

@@ -20,7 +20,7 @@ import torch
 
 from vllm.logger import init_logger
 
-from vllm_dspine.verify.sampler import SparseRejectionSampler
+from vllm_dspine.verify.sampler import SparseRejectionSampler, samples_as_plain_decoding
 
 logger = init_logger(__name__)
 
@@ -113,8 +113,7 @@ class DSpineRejectionSampler(SparseRejectionSampler):
                 torch.zeros((num_tokens, 1), dtype=torch.float32, device=device))
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata):
-        if metadata.max_spec_len == 0 and sampling_metadata.max_num_logprobs is None:
-            # No drafts this step: the verifier's plain-sampling path needs no q.
+        if samples_as_plain_decoding(metadata, sampling_metadata):  # needs no q
             return super().forward(metadata, None, None, logits, sampling_metadata)
         cand_ids, cand_probs = self._draft_q(metadata, draft_probs, logits.device)
         return super().forward(metadata, cand_ids, cand_probs, logits, sampling_metadata)

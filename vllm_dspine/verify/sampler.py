@@ -148,6 +148,17 @@ def apply_draft_sampling_constraints(
     )
 
 
+def samples_as_plain_decoding(metadata: SpecDecodeMetadata,
+                              sampling_metadata: SamplingMetadata) -> bool:
+    """Whether `SparseRejectionSampler` samples this step as plain decoding does: no
+    request verifies a draft (dynamic verification skipped them all) and no logprobs are
+    asked for. Each request's token is then its bonus token, vLLM's own sampler on its
+    one row; the rejection path would add nothing but a [num_reqs, vocab] exponential
+    draw from the global RNG for recovered tokens that no row can need (seeded
+    generators are not touched there either for rows without drafts). No q is needed."""
+    return metadata.max_spec_len == 0 and sampling_metadata.max_num_logprobs is None
+
+
 class SparseRejectionSampler(RejectionSampler):
     """vLLM's `RejectionSampler` verifying against a sparse (top-k) draft q."""
 
@@ -172,13 +183,7 @@ class SparseRejectionSampler(RejectionSampler):
         _check_logits_processors(sampling_metadata)
         num_draft_tokens = metadata.num_draft_tokens
 
-        if metadata.max_spec_len == 0 and sampling_metadata.max_num_logprobs is None:
-            # No request verifies a draft this step (dynamic verification skipped them
-            # all): each request's token is its bonus token, vLLM's own sampler on its
-            # one row, as plain decoding samples it. The rejection path below would add
-            # nothing but a [num_reqs, vocab] exponential draw from the global RNG for
-            # recovered tokens that no row can need (seeded generators are not touched
-            # there either for rows without drafts).
+        if samples_as_plain_decoding(metadata, sampling_metadata):
             bonus = self.sampler(logits=logits[metadata.bonus_logits_indices],
                                  sampling_metadata=sampling_metadata,
                                  predict_bonus_token=True)
