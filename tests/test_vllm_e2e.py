@@ -246,8 +246,9 @@ def test_sampled_tokens_stay_in_their_filtered_support(target, mixed_run):
 def test_sampled_proposal_matches_reference(pair, target, mixed_run):
     """The retained q of the mixed batch (what the verifier is handed) against the
     reference drafter + tail: for up to 8 dumped blocks per request whose anchor is in
-    the request's output, `block_forward` on the committed text, the same 16 candidates,
-    the score tables by the direct formula (float64), and at each row the request's
+    the request's output, `block_forward` on the committed text, the same 16 candidates
+    (up to near-ties of the scores, see below), the score tables by the direct formula
+    (float64) on the engine's candidates, and at each row the request's
     own temperature/top-k/top-p/min-p applied to the table row of the predecessor the
     engine drew: q equals the dumped cand_probs (to 1e-4; the engine scores through the
     fp32 per-token tables), and each drawn draft has q > 0. Greedy members: the one-hot
@@ -275,7 +276,7 @@ def test_sampled_proposal_matches_reference(pair, target, mixed_run):
             if p >= len(seq) - 1 or seq[p] != int(step["anchor_ids"][r]):
                 continue  # finishing step (never verified) or a discarded partial prefill
             entries.setdefault(req_id, []).append((step, r, p))
-    checked = {"sampled": 0, "greedy": 0}
+    checked = {"sampled": 0, "greedy": 0, "near_ties": 0}
     min_p_mismatch = []
     for req_id, todo in entries.items():
         todo = todo[:: max(1, len(todo) // 8)][:8]
@@ -288,14 +289,32 @@ def test_sampled_proposal_matches_reference(pair, target, mixed_run):
                             anchors)
         nb = anchors.shape[1]
         final = out.final_hidden[0]  # [nb, B, H]
-        cand = retrieve_candidates(final[:, 1:].reshape(nb * K, -1), head, cfg.head_topk,
-                                   cfg.coarse_topk, None, mode="bf16").view(nb, K, -1)
+        ref_cand = retrieve_candidates(final[:, 1:].reshape(nb * K, -1), head,
+                                       cfg.head_topk, cfg.coarse_topk, None,
+                                       mode="bf16").view(nb, K, -1)
+        cand = torch.stack([step["cand_ids"][r].view(K, -1) for step, r, _ in todo])
+        # The engine's features come from vLLM's target forward, the reference's from
+        # transformers: they agree to ~1e-6, so two vocabulary entries whose scores tie
+        # to that level may swap places (or the 16th and 17th trade). Such a swap is not
+        # an error; any other difference is. The tail is then checked on the engine's own
+        # candidates, so a near-tie costs no coverage.
+        for b, (_, _, p) in enumerate(todo):
+            if torch.equal(ref_cand[b], cand[b]):
+                continue
+            scores = final[b, 1:].double() @ head.double().t()  # [K, V]
+            want = scores.gather(1, ref_cand[b])  # [K, k] reference top-k, descending
+            have = scores.gather(1, cand[b])  # [K, k] the engine's picks, same scale
+            gap = float((want - have).abs().max())
+            # 1e-3 on logits of size ~10: a thousand times the feature disagreement, far
+            # below the gap between distinct tokens a real retrieval error would leave.
+            assert gap < 1e-3, (f"{req_id} anchor {p}: engine candidates are not the "
+                                f"reference top-{cfg.head_topk} (score gap {gap:.3g})")
+            checked["near_ties"] += 1
         S = tail_score_tables(out.pre_write_state[0], out.last_codes[0], out.last_rms[0],
                               cand, torch.tensor([seq[p] for _, _, p in todo]), bridge,
                               tensors["norm.weight"], cfg.rms_norm_eps, head, None,
                               torch.float64)  # [nb, K, k, k]
         for b, (step, r, p) in enumerate(todo):
-            assert torch.equal(cand[b], step["cand_ids"][r].view(K, -1)), (req_id, p)
             drafts = step["draft_token_ids"][r].view(-1).tolist()
             got = step["cand_probs"][r].double()  # [K, k]
             prev, matched = 0, True
@@ -321,6 +340,9 @@ def test_sampled_proposal_matches_reference(pair, target, mixed_run):
             if matched:
                 checked["greedy" if sp.temperature == 0 else "sampled"] += 1
     assert checked["sampled"] >= 20 and checked["greedy"] >= 4, checked
+    # Near-ties are rare (0 in most runs, 1 seen once in ~60 blocks); many of them
+    # would mean the engine's features drifted from the target's.
+    assert checked["near_ties"] <= 3, checked
     if min_p_mismatch:
         if not _builtin_processors_built():
             pytest.xfail(f"{len(min_p_mismatch)} blocks of min_p requests drafted "
