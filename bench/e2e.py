@@ -33,9 +33,11 @@ so at most c requests decode together.
     python bench/e2e.py                   # the full run (~30 min on this CPU)
     python bench/e2e.py --quick           # ~10 min: plain, ngram, dspine-dynamic; c 1, 8
     python bench/e2e.py --methods plain,dspine,dspine-dynamic --concurrency 1,8,32 ...
+    python bench/e2e.py --interleave 3 --methods plain,ngram,dspine,dspine-dynamic
+                                          # engines side by side, 3 rounds per setting
 
 Prints markdown tables, writes PNG plots to docs/img/ and replaces its section of
-docs/benchmarks.md (`--doc` to choose another file, `--no-doc` to only print). JSON of
+docs/benchmarks.md (bench_e2e; bench_e2e_interleaved with `--interleave`) (`--doc` to choose another file, `--no-doc` to only print). JSON of
 every run: `--json PATH`.
 """
 
@@ -105,17 +107,24 @@ def counters(llm) -> dict:
     return out
 
 
-def acceptance(before: dict, after: dict) -> tuple[float | None, list[float]]:
-    """(mean acceptance length, acceptance rate per position) between two snapshots."""
-    drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get(
-        "vllm:spec_decode_num_drafts", 0)
+def acceptance(before: dict, after: dict, *more: tuple[dict, dict]
+               ) -> tuple[float | None, list[float]]:
+    """(mean acceptance length, acceptance rate per position) between two snapshots,
+    or over several (before, after) spans together (`more`)."""
+    drafts = acc = 0
+    per_pos: list[float] = []  # accepted tokens per position, summed over the spans
+    for b, a in ((before, after), *more):
+        drafts += a.get("vllm:spec_decode_num_drafts", 0) - b.get(
+            "vllm:spec_decode_num_drafts", 0)
+        acc += a.get("vllm:spec_decode_num_accepted_tokens", 0) - b.get(
+            "vllm:spec_decode_num_accepted_tokens", 0)
+        pa = a.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []
+        pb = b.get("vllm:spec_decode_num_accepted_tokens_per_pos") or [0] * len(pa)
+        span = [x - y for x, y in zip(pa, pb)]
+        per_pos = [x + y for x, y in zip(per_pos, span)] if per_pos else span
     if not drafts:
         return None, []
-    acc = after.get("vllm:spec_decode_num_accepted_tokens", 0) - before.get(
-        "vllm:spec_decode_num_accepted_tokens", 0)
-    pa = after.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []
-    pb = before.get("vllm:spec_decode_num_accepted_tokens_per_pos") or [0] * len(pa)
-    return 1 + acc / drafts, [(a - b) / drafts for a, b in zip(pa, pb)]
+    return 1 + acc / drafts, [x / drafts for x in per_pos]
 
 
 def profile_delta(before: dict | None, after: dict | None) -> dict:
@@ -170,95 +179,213 @@ def abort_probe(llm, prompts: list[list[int]], profile_path: str, n: int = 8) ->
             "kv_usage_after_abort": rec["kv_usage_after_abort"]}
 
 
+class Engine:
+    """One method's engine, kept for as many measurements as asked (`measure`), closed
+    with the abort probe (`close`)."""
+
+    def __init__(self, method: str, pair: str, max_num_seqs: int,
+                 profile_dir: str | None = None, prefix_caching: bool = False):
+        from vllm import LLM
+
+        self.method = method
+        profile_dir = profile_dir or tempfile.mkdtemp(prefix="dspine-profile-")
+        self.profile_path = os.path.join(profile_dir, f"{method}.json")
+        os.environ[PROFILE_ENV] = self.profile_path  # read by the engine process it starts
+        try:
+            self.llm = LLM(os.path.join(pair, "target"), speculative_config=spec_of(method, pair),
+                           dtype="float32", enforce_eager=True, max_model_len=2048,
+                           max_num_seqs=max_num_seqs, seed=0, disable_log_stats=False,
+                           gpu_memory_utilization=0.15, enable_prefix_caching=prefix_caching)
+        finally:
+            os.environ.pop(PROFILE_ENV, None)
+        self.tok = self.llm.get_tokenizer()
+
+    def prompt_ids(self, prompts: list[str]) -> list[list[int]]:
+        tok = self.tok
+        return [tok(tok.apply_chat_template([{"role": "user", "content": p}],
+                                            add_generation_prompt=True, tokenize=False),
+                    add_special_tokens=False)["input_ids"] for p in prompts]
+
+    def measure(self, wname: str, ids: list[list[int]], sname: str, c: int,
+                max_tokens: int, prompts_c1: int | None = None) -> dict:
+        """One (workload, sampling, concurrency) setting: its prompts submitted c at a
+        time. Returns the row (tokens/s, acceptance, per-step profile, outputs)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm_dspine.plugin.step_profile import read
+
+        llm = self.llm
+        # Concurrency 1 is slow on CPU: it may run on the first prompts only; a
+        # concurrency above the prompt count cycles the prompts.
+        n = min(prompts_c1, len(ids)) if c == 1 and prompts_c1 else max(len(ids), c)
+        run_ids = [ids[i % len(ids)] for i in range(n)]
+        if sname == "greedy":
+            params = [SamplingParams(temperature=0.0, max_tokens=max_tokens)] * n
+        else:
+            # No per-request seed (what most traffic sends; the engine seed is fixed):
+            # seeded requests follow their own length rule under dynamic verification
+            # (docs/dynamic-verification.md).
+            t = float(sname[1:])
+            params = [SamplingParams(temperature=t, top_p=0.95, max_tokens=max_tokens)
+                      for _ in range(n)]
+        before = counters(llm)
+        prof0 = read(self.profile_path)
+        start = time.perf_counter()
+        tokens = 0
+        outs = []
+        for i in range(0, n, c):
+            j = min(i + c, n)
+            res = llm.generate([TokensPrompt(prompt_token_ids=x) for x in run_ids[i:j]],
+                               params[i:j], use_tqdm=False)
+            tokens += sum(len(o.outputs[0].token_ids) for o in res)
+            outs.extend(res)
+        elapsed = time.perf_counter() - start
+        prof1 = read(self.profile_path)
+        after = counters(llm)
+        tau, per_pos = acceptance(before, after)
+        return {"method": self.method, "workload": wname, "sampling": sname,
+                "concurrency": c, "prompts": n, "tokens": tokens,
+                "seconds": elapsed, "tok_per_s": tokens / elapsed,
+                "acceptance_length": tau, "acceptance_per_pos": per_pos,
+                "step_ms": profile_delta(prof0, prof1),
+                "peak_rss_mib": (prof1 or {}).get("peak_rss_mib"),
+                "outputs": [list(o.outputs[0].token_ids) for o in outs],
+                "_counters": (before, after), "_profile": (prof0, prof1)}
+
+    def close(self, rows: list[dict], first_ids: list[list[int]], log) -> None:
+        """The abort probe, peak memory into this engine's rows, shutdown."""
+        from vllm_dspine.plugin.step_profile import read
+
+        probe = abort_probe(self.llm, first_ids, self.profile_path)
+        final = read(self.profile_path) or {}
+        for r in rows:
+            r.update(probe)
+            r["peak_rss_mib"] = final.get("peak_rss_mib", r["peak_rss_mib"])
+        log(f"{self.method:>16} abort -> KV freed in "
+            + (f"{probe['abort_ms']:.1f} ms (usage then {probe['kv_usage_after_abort']:.3f})"
+               if probe["abort_ms"] is not None else "(no record)")
+            + f"; peak RSS {final.get('peak_rss_mib', float('nan')):.0f} MiB")
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - best effort; the next engine needs the memory
+            pass
+        del self.llm
+
+
+def log_row(log, row: dict, suffix: str = "") -> None:
+    ms, tau = row["step_ms"], row["acceptance_length"]
+    log(f"{row['method']:>16} {row['workload']:>9} {row['sampling']:>6} "
+        f"c={row['concurrency']:<3} {row['tok_per_s']:7.1f} tok/s"
+        + (f"  tau {tau:.2f}" if tau else "")
+        + (f"  step {ms['step']:.1f} ms (target {ms['target_forward']:.1f}, "
+           f"drafter {ms['drafter']:.1f})" if ms else "") + suffix)
+
+
 def run_method(method: str, pair: str, workloads: dict, samplings: list[str],
                concurrencies: list[int], max_tokens: int, log,
                prompts_c1: int | None = None, profile_dir: str | None = None,
                prefix_caching: bool = False) -> list[dict]:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm_dspine.plugin.step_profile import read
-
-    profile_dir = profile_dir or tempfile.mkdtemp(prefix="dspine-profile-")
-    profile_path = os.path.join(profile_dir, f"{method}.json")
-    os.environ[PROFILE_ENV] = profile_path  # read by the engine process it starts
-    target = os.path.join(pair, "target")
-    try:
-        llm = LLM(target, speculative_config=spec_of(method, pair), dtype="float32",
-                  enforce_eager=True, max_model_len=2048, max_num_seqs=max(concurrencies),
-                  seed=0, disable_log_stats=False, gpu_memory_utilization=0.15,
-                  enable_prefix_caching=prefix_caching)
-    finally:
-        os.environ.pop(PROFILE_ENV, None)
-    tok = llm.get_tokenizer()
+    """Every setting of one method, on one engine started for it."""
+    eng = Engine(method, pair, max(concurrencies), profile_dir, prefix_caching)
     rows = []
     first_ids = None
     for wname, prompts in workloads.items():
-        ids = [tok(tok.apply_chat_template([{"role": "user", "content": p}],
-                                           add_generation_prompt=True, tokenize=False),
-                   add_special_tokens=False)["input_ids"] for p in prompts]
+        ids = eng.prompt_ids(prompts)
         first_ids = first_ids or ids
         for sname in samplings:
             for c in concurrencies:
-                # Concurrency 1 is slow on CPU: it may run on the first prompts only; a
-                # concurrency above the prompt count cycles the prompts.
-                n = (min(prompts_c1, len(ids)) if c == 1 and prompts_c1
-                     else max(len(ids), c))
-                run_ids = [ids[i % len(ids)] for i in range(n)]
-                if sname == "greedy":
-                    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens)] * n
-                else:
-                    # No per-request seed (what most traffic sends; the engine seed is
-                    # fixed): seeded requests follow their own length rule under
-                    # dynamic verification (docs/dynamic-verification.md).
-                    t = float(sname[1:])
-                    params = [SamplingParams(temperature=t, top_p=0.95,
-                                             max_tokens=max_tokens) for i in range(n)]
-                before = counters(llm)
-                prof0 = read(profile_path)
-                start = time.perf_counter()
-                tokens = 0
-                outs = []
-                for i in range(0, n, c):
-                    j = min(i + c, n)
-                    res = llm.generate([TokensPrompt(prompt_token_ids=x) for x in run_ids[i:j]],
-                                       params[i:j], use_tqdm=False)
-                    tokens += sum(len(o.outputs[0].token_ids) for o in res)
-                    outs.extend(res)
-                elapsed = time.perf_counter() - start
-                prof1 = read(profile_path)
-                tau, per_pos = acceptance(before, counters(llm))
-                row = {"method": method, "workload": wname, "sampling": sname,
-                       "concurrency": c, "prompts": n, "tokens": tokens,
-                       "seconds": elapsed, "tok_per_s": tokens / elapsed,
-                       "acceptance_length": tau, "acceptance_per_pos": per_pos,
-                       "step_ms": profile_delta(prof0, prof1),
-                       "peak_rss_mib": (prof1 or {}).get("peak_rss_mib"),
-                       "outputs": [list(o.outputs[0].token_ids) for o in outs]}
-                rows.append(row)
-                ms = row["step_ms"]
-                log(f"{method:>16} {wname:>9} {sname:>6} c={c:<3} {row['tok_per_s']:7.1f} tok/s"
-                    + (f"  tau {tau:.2f}" if tau else "")
-                    + (f"  step {ms['step']:.1f} ms (target {ms['target_forward']:.1f}, "
-                       f"drafter {ms['drafter']:.1f})" if ms else ""))
-    probe = abort_probe(llm, first_ids, profile_path)
-    final = read(profile_path) or {}
-    for r in rows:
-        r.update(probe)
-        r["peak_rss_mib"] = final.get("peak_rss_mib", r["peak_rss_mib"])
-    log(f"{method:>16} abort -> KV freed in "
-        + (f"{probe['abort_ms']:.1f} ms (usage then {probe['kv_usage_after_abort']:.3f})"
-           if probe["abort_ms"] is not None else "(no record)")
-        + f"; peak RSS {final.get('peak_rss_mib', float('nan')):.0f} MiB")
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001 - best effort; the next engine needs the memory
-        pass
-    del llm
+                rows.append(eng.measure(wname, ids, sname, c, max_tokens, prompts_c1))
+                log_row(log, rows[-1])
+    eng.close(rows, first_ids, log)
     return rows
+
+
+def run_interleaved(methods: dict[str, list[int]], pair: str, workloads: dict,
+                    samplings: list[str], max_tokens: int, rounds: int, log,
+                    prompts_c1: int | None = None, prefix_caching: bool = False
+                    ) -> list[dict]:
+    """All methods' engines started side by side; each setting then runs `rounds`
+    times, every round running each method once (the order rotated round to round), so
+    a drift of the machine enters all methods of a round alike. A method's row is its
+    totals over the rounds, with `x_plain_rounds`: its tokens/s over plain's of the same
+    round. `methods` maps each method to its concurrencies."""
+    from vllm_dspine.plugin.step_profile import read  # noqa: F401 - engines write it
+
+    concs = sorted({c for cs in methods.values() for c in cs})
+    engines = {}
+    for m in methods:
+        log(f"starting {m} ...")
+        engines[m] = Engine(m, pair, max(concs), prefix_caching=prefix_caching)
+    names = list(methods)
+    first_ids = None
+    rows = []
+    for wname, prompts in workloads.items():
+        ids = engines[names[0]].prompt_ids(prompts)  # one tokenizer: the target's
+        first_ids = first_ids or ids
+        for sname in samplings:
+            for c in concs:
+                todo = [m for m in names if c in methods[m]]
+                per_round: dict[str, list[dict]] = {m: [] for m in todo}
+                for r in range(rounds):
+                    order = todo[r % len(todo):] + todo[:r % len(todo)]
+                    for m in order:
+                        # vLLM's idle worker spins (sched_yield) for 1 s after its last
+                        # message before it sleeps on its socket: let it, so that it does
+                        # not share the core with the next method's run.
+                        time.sleep(1.5)
+                        per_round[m].append(engines[m].measure(wname, ids, sname, c,
+                                                               max_tokens, prompts_c1))
+                        log_row(log, per_round[m][-1], f"  (round {r + 1})")
+                plain = per_round.get("plain")
+                for m in todo:
+                    rows.append(_merge_rounds(per_round[m], plain))
+                    if m != names[-1]:
+                        # vLLM's Prometheus logger unregisters every earlier engine's
+                        # collectors from the process's registry when an engine starts
+                        # (`unregister_vllm_metrics`): only the last one's counters are
+                        # readable, the others' stay at their start-up values.
+                        rows[-1]["acceptance_length"], rows[-1]["acceptance_per_pos"] = None, []
+    for m in names:
+        engines[m].close([r for r in rows if r["method"] == m], first_ids, log)
+    return rows
+
+
+def _merge_rounds(rounds: list[dict], plain: list[dict] | None) -> dict:
+    """One row from a method's rounds of one setting: tokens and seconds summed, the
+    profile and acceptance over all its rounds, outputs of the first round."""
+    first, last = rounds[0], rounds[-1]
+    row = dict(first)
+    row["tokens"] = sum(r["tokens"] for r in rounds)
+    row["seconds"] = sum(r["seconds"] for r in rounds)
+    row["tok_per_s"] = row["tokens"] / row["seconds"]
+    row["tok_per_s_rounds"] = [r["tok_per_s"] for r in rounds]
+    # vLLM's metrics are one registry per process, shared by the engines of this one:
+    # summed over the spans of this method's own rounds. Each engine's step profile is
+    # its own file: first round's "before" to last round's "after" covers its rounds.
+    row["acceptance_length"], row["acceptance_per_pos"] = acceptance(
+        *first["_counters"], *(r["_counters"] for r in rounds[1:]))
+    row["step_ms"] = profile_delta(first["_profile"][0], last["_profile"][1])
+    row["peak_rss_mib"] = last["peak_rss_mib"]
+    if plain is not None:
+        row["x_plain_rounds"] = [r["tok_per_s"] / p["tok_per_s"]
+                                 for r, p in zip(rounds, plain)]
+    return row
 
 
 def _key(r: dict) -> tuple:
     return (r["workload"], r["sampling"], r["concurrency"])
+
+
+def x_plain(r: dict, plain: dict | None) -> float | None:
+    """Tokens/s over plain's at the same setting; interleaved runs: the median of the
+    per-round ratios (each against plain's run of the same round)."""
+    if plain is None:
+        return None
+    rounds = r.get("x_plain_rounds")
+    if rounds:
+        return sorted(rounds)[len(rounds) // 2] if len(rounds) % 2 else \
+            0.5 * sum(sorted(rounds)[len(rounds) // 2 - 1: len(rounds) // 2 + 1])
+    return r["tok_per_s"] / plain["tok_per_s"]
 
 
 def efficiency(r: dict, plain: dict | None) -> tuple[float | None, float | None]:
@@ -270,7 +397,7 @@ def efficiency(r: dict, plain: dict | None) -> tuple[float | None, float | None]
     tau = (r["tokens"] / ms["steps"]) / (plain["tokens"] / pms["steps"])
     cost = ms["drafter"] + ms["target_forward"] + ms["sampler"]
     bound = tau * pms["step"] / cost
-    return bound, (r["tok_per_s"] / plain["tok_per_s"]) / bound
+    return bound, x_plain(r, plain) / bound
 
 
 def tables(rows: list[dict]) -> str:
@@ -281,12 +408,14 @@ def tables(rows: list[dict]) -> str:
     out.append("| --- | --- | --- | ---: | ---: | ---: | ---: | --- |")
     for r in rows:
         pr = plain_rows.get(_key(r))
-        ratio = r["tok_per_s"] / pr["tok_per_s"] if pr else None
+        ratio = x_plain(r, pr)
         same = ""
         if r["sampling"] == "greedy" and pr and r["method"] != "plain":
             n = sum(a == b for a, b in zip(r["outputs"], pr["outputs"]))
             same = f"{n}/{len(r['outputs'])}"
         ratio_s = "" if ratio is None else f"{ratio:.2f}"
+        if r.get("x_plain_rounds") and r["method"] != "plain":
+            ratio_s += " (" + " / ".join(f"{x:.2f}" for x in r["x_plain_rounds"]) + ")"
         tau = r["acceptance_length"]
         tau_s = "" if tau is None else f"{tau:.2f}"
         out.append(f"| {r['method']} | {r['workload']} | {r['sampling']} | {r['concurrency']} "
@@ -310,7 +439,7 @@ def tables(rows: list[dict]) -> str:
             continue
         pr = plain_rows.get(_key(r))
         bound, eff = efficiency(r, pr)
-        ratio = r["tok_per_s"] / pr["tok_per_s"] if pr else None
+        ratio = x_plain(r, pr)
         f = lambda x: "" if x is None else f"{x:.2f}"  # noqa: E731
         dspine = r["method"].startswith("dspine")
         draft_fwd = f"{ms['draft_forward']:.1f}" if dspine else ""
@@ -357,7 +486,7 @@ def tables(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def plots(rows: list[dict], img_dir: pathlib.Path) -> list[str]:
+def plots(rows: list[dict], img_dir: pathlib.Path, suffix: str = "") -> list[str]:
     """Two PNGs: tokens/s by method and concurrency (one panel per workload x sampling),
     acceptance by position per method. Returns their paths."""
     import matplotlib
@@ -381,7 +510,7 @@ def plots(rows: list[dict], img_dir: pathlib.Path) -> list[str]:
         ax.set_xticklabels([f"c={c}" for c in concs])
         ax.set_title(f"{w}, {sname}")
         ax.set_ylabel("output tokens/s")
-    tok_png = _save(fig, axes, img_dir / "e2e_tokens_per_s.png")
+    tok_png = _save(fig, axes, img_dir / f"e2e{suffix}_tokens_per_s.png")
 
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (w, sname) in zip(axes[0], panels):
@@ -394,7 +523,7 @@ def plots(rows: list[dict], img_dir: pathlib.Path) -> list[str]:
         ax.set_title(f"{w}, {sname}")
         ax.set_xlabel("draft position")
         ax.set_ylabel("acceptance rate")
-    acc_png = _save(fig, axes, img_dir / "e2e_acceptance.png")
+    acc_png = _save(fig, axes, img_dir / f"e2e{suffix}_acceptance.png")
     return [tok_png, acc_png]
 
 
@@ -434,6 +563,11 @@ def main() -> None:
                     "are cycled above --prompts, so with it on the repeats hit the cache; "
                     "with a DSpine/dflash/EAGLE draft vLLM drops the last matched block "
                     "(128 tokens on CPU), so the methods would prefill different amounts")
+    ap.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                    help="start every method's engine side by side and run each setting "
+                    "ROUNDS times, each round running every method once (order rotated): "
+                    "the ratios to plain are then per round, so drift of the machine "
+                    "between methods cancels (0: one method after the other)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--doc", default=str(DOC))
     ap.add_argument("--img", default=str(IMG), help="folder of the PNG plots")
@@ -461,14 +595,22 @@ def main() -> None:
     def log(msg):
         print(f"[{time.time() - t0:6.0f}s] {msg}", flush=True)
 
-    rows = []
+    method_concs = {}
     for m in methods:
         cm = concs
         if m in FIXED_METHODS and args.fixed_max_concurrency:
             cm = [c for c in concs if c <= args.fixed_max_concurrency] or concs[:1]
-        log(f"starting {m} (concurrency {','.join(map(str, cm))}) ...")
-        rows.extend(run_method(m, args.pair, workloads, samplings, cm, args.max_tokens, log,
-                               args.prompts_c1, prefix_caching=args.prefix_caching))
+        method_concs[m] = cm
+    rows = []
+    if args.interleave:
+        rows = run_interleaved(method_concs, args.pair, workloads, samplings,
+                               args.max_tokens, args.interleave, log, args.prompts_c1,
+                               prefix_caching=args.prefix_caching)
+    else:
+        for m, cm in method_concs.items():
+            log(f"starting {m} (concurrency {','.join(map(str, cm))}) ...")
+            rows.extend(run_method(m, args.pair, workloads, samplings, cm, args.max_tokens,
+                                   log, args.prompts_c1, prefix_caching=args.prefix_caching))
     import torch
 
     cmd = "python bench/e2e.py " + " ".join(sys.argv[1:])
@@ -476,7 +618,9 @@ def main() -> None:
     # unless --img names one.
     img = pathlib.Path(args.img if not args.no_doc or args.img != str(IMG)
                        else tempfile.mkdtemp(prefix="e2e-plots-"))
-    pngs = plots(rows, img)
+    # An interleaved run has its own section and plots beside the sequential one's.
+    suffix = "_interleaved" if args.interleave else ""
+    pngs = plots(rows, img, suffix)
     rel = [os.path.relpath(p, pathlib.Path(args.doc).parent) for p in pngs]
     head = (f"### End to end on SmolLM2-135M-Instruct (bench/e2e.py), "
             f"{datetime.date.today().isoformat()}\n\n"
@@ -494,15 +638,22 @@ def main() -> None:
             f"seed; ngram k 5 (lookup 2-4), DSpine/dflash k {K}; the methods that verify all "
             f"{K} drafts ({', '.join(FIXED_METHODS)}) ran up to concurrency "
             f"{args.fixed_max_concurrency or max(concs)}. "
-            f"Wall {time.time() - t0:.0f} s.\n\n"
+            + (f"Interleaved: all engines side by side, each setting {args.interleave} "
+               f"rounds of every method (order rotated); tok/s is over all rounds, x plain "
+               f"the median of the per-round ratios (each round's in brackets); the "
+               f"acceptance columns only for the last method listed (vLLM's metrics "
+               f"registry keeps one engine per process). "
+               if args.interleave else "One method after the other. ")
+            + f"Wall {time.time() - t0:.0f} s.\n\n"
             + "".join(f"![{pathlib.Path(p).stem}]({r})\n" for p, r in zip(pngs, rel)))
     body = head + "\n" + tables(rows)
     print("\n" + body)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f)
+            json.dump([{k: v for k, v in r.items() if not k.startswith("_")}
+                       for r in rows], f)
     if not args.no_doc:
-        replace_section(args.doc, SECTION, body)  # bench/workloads.py
+        replace_section(args.doc, SECTION + suffix, body)  # bench/workloads.py
 
 
 if __name__ == "__main__":
