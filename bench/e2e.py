@@ -50,6 +50,7 @@ import os
 import pathlib
 import platform
 import sys
+import statistics
 import tempfile
 import time
 
@@ -90,6 +91,12 @@ def spec_of(method: str, pair: str) -> dict | None:
     if method == "dspine-dynamic":
         return {"method": "dspine", "model": draft, "num_speculative_tokens": K,
                 "dspine_verify": "dynamic"}
+    if method == "dspine-skip":
+        # Dynamic verification with a cost model under which drafting never pays: every
+        # step context-only but the probes (the zero-draft path's own cost).
+        return {"method": "dspine", "model": draft, "num_speculative_tokens": K,
+                "dspine_verify": "dynamic",
+                "dspine_verify_cost": {"step_s": 10, "token_s": 1, "draft_s": 10}}
     if method == "dspine-notail":
         return {"method": "dspine", "model": draft, "num_speculative_tokens": K,
                 "dspine_tail": False, **fixed}
@@ -309,8 +316,6 @@ def run_interleaved(methods: dict[str, list[int]], pair: str, workloads: dict,
     a drift of the machine enters all methods of a round alike. A method's row is its
     totals over the rounds, with `x_plain_rounds`: its tokens/s over plain's of the same
     round. `methods` maps each method to its concurrencies."""
-    from vllm_dspine.plugin.step_profile import read  # noqa: F401 - engines write it
-
     concs = sorted({c for cs in methods.values() for c in cs})
     engines = {}
     for m in methods:
@@ -383,8 +388,7 @@ def x_plain(r: dict, plain: dict | None) -> float | None:
         return None
     rounds = r.get("x_plain_rounds")
     if rounds:
-        return sorted(rounds)[len(rounds) // 2] if len(rounds) % 2 else \
-            0.5 * sum(sorted(rounds)[len(rounds) // 2 - 1: len(rounds) // 2 + 1])
+        return statistics.median(rounds)
     return r["tok_per_s"] / plain["tok_per_s"]
 
 
