@@ -303,6 +303,41 @@ def test_measured_cost_ignores_idle_gaps():
     assert float(m.verify(16)) == pytest.approx(0.026, rel=0.05)
 
 
+def test_measured_cost_follows_machine_speed_from_any_bin():
+    """The machine slows 2x while only 1-token steps run (the drafter skipped): the
+    16-token cost, not seen since, must follow, so that T(16) / T(1) - all the choice
+    uses - stays the engine's. With one mean per bin T(16) stayed at its fast-phase value
+    and T(16) / T(1) read 1.2 instead of 2.36 (then drafting looks cheap)."""
+    m = MeasuredStepCost()
+    rng = np.random.default_rng(0)
+    true = lambda n: 0.10 + 0.01 * n  # noqa: E731 - T(1) = 0.11, T(16) = 0.26
+    for n in (1, 16) * 60:
+        m.observe(n, true(n) * rng.uniform(0.9, 1.1))
+    for _ in range(200):
+        m.observe(1, 2.0 * true(1) * rng.uniform(0.9, 1.1))
+    t1, t16 = float(m.verify(1)), float(m.verify(16))
+    assert t1 == pytest.approx(2 * true(1), rel=0.08)
+    # The 1-token bin keeps a share of a change seen only there (BIN_EW / SPEED_EW of
+    # it, ~10 % here), so the ratio reads ~2.1 for 2.36; one mean per bin gave 1.2.
+    assert t16 == pytest.approx(2 * true(16), rel=0.15)
+    assert t16 / t1 == pytest.approx(true(16) / true(1), rel=0.15)
+
+
+def test_measured_cost_learns_a_change_of_shape():
+    """Only 16-token steps get dearer (1.5x) while 1-token steps keep their time: the
+    change is the 16-token bin's, not the machine's."""
+    m = MeasuredStepCost()
+    for n in (1, 16) * 60:
+        m.observe(n, 0.10 + 0.01 * n)
+    for _ in range(400):
+        m.observe(1, 0.11)
+        m.observe(16, 1.5 * 0.26)
+    # Speed first takes most of the change, then the 1-token steps pull it back and
+    # the 16-token bin ends with it (within 1 % after 400 pairs; 5 % allowed).
+    assert float(m.verify(1)) == pytest.approx(0.11, rel=0.05)
+    assert float(m.verify(16)) == pytest.approx(1.5 * 0.26, rel=0.05)
+
+
 def test_calibrator_follows_observed_acceptance():
     cal = AcceptanceCalibrator(K)
     conf = np.full(K, 0.85)

@@ -104,17 +104,33 @@ class FixedCost:
 class MeasuredStepCost:
     """T(N): seconds of one engine step (scheduler, target forward over N tokens,
     sampling, bookkeeping; the drafter is timed separately) as measured on the running
-    engine. Samples are pooled in quarter-octave bins of N (exponentially weighted
-    means); T is the piecewise-linear curve through the bins, made non-decreasing,
-    extended past the ends with the slope of the nearest segment (never negative). Flat
-    then linear (a GPU below its compute knee) and linear (this CPU) both fit."""
+    engine, as T(N) = speed x shape(N).
 
-    EW = 0.1  # weight of a new sample once a bin has 10
+    shape: samples pooled in quarter-octave bins of N, each in the machine speed of its
+    time (seconds / speed): a bin's mean over its first samples, then an exponentially
+    weighted mean of small weight (BIN_EW); the piecewise-linear curve through the
+    bins, made non-decreasing, extended past the ends with the slope of the nearest segment (never negative). Flat then
+    linear (a GPU below its compute knee) and linear (this CPU) both fit.
+
+    speed: follows every step whatever its N (exponentially weighted, in log space).
+    A CPU's speed moves by 1.5-2x within minutes (docs/dynamic-verification.md,
+    "2026-12-02"), and the policy visits most N rarely: with one mean per bin, a bin
+    filled in a fast phase was compared with another filled in a slow one, and only the
+    ratio T(N) / T(R) matters to the choice. A lasting change in the step time of the N
+    being visited goes mostly into speed (SPEED_EW >> BIN_EW), so every bin follows it;
+    a change of shape alone (one N dearer, the others not) ends in that bin, as steps at
+    other N pull speed back (tests/test_dynamic_policy.py).
+    Before the curve has two operating points, speed stays 1."""
+
+    BIN_EW = 0.01  # weight of a new sample once a bin has 100
+    SPEED_EW = 0.1  # weight of a step in log(speed)
+    SPEED_CLIP = 0.5  # |log(seconds / T(N))| counted per step at most (a one-off spike)
 
     def __init__(self) -> None:
-        self._bins: dict[int, list[float]] = {}  # key -> [mean N, mean T, count]
+        self._bins: dict[int, list[float]] = {}  # key -> [mean N, mean shape, count]
         self._rejected_in_row = 0
         self._curve: tuple[np.ndarray, np.ndarray] | None = None
+        self.speed = 1.0
 
     @staticmethod
     def _key(n: float) -> int:
@@ -134,15 +150,21 @@ class MeasuredStepCost:
             if seconds > 4 * expected + 0.05 and self._rejected_in_row < 8:
                 self._rejected_in_row += 1
                 return
+            if expected > 0:
+                r = math.log(seconds / expected)
+                self.speed *= math.exp(self.SPEED_EW * max(-self.SPEED_CLIP,
+                                                           min(self.SPEED_CLIP, r)))
         self._rejected_in_row = 0
-        b = self._bins.setdefault(self._key(n_tokens), [float(n_tokens), seconds, 0.0])
+        x = seconds / self.speed
+        b = self._bins.setdefault(self._key(n_tokens), [float(n_tokens), x, 0.0])
         b[2] += 1
-        w = max(1.0 / b[2], self.EW)
+        w = max(1.0 / b[2], self.BIN_EW)
         b[0] += w * (n_tokens - b[0])
-        b[1] += w * (seconds - b[1])
+        b[1] += w * (x - b[1])
         self._curve = None
 
     def _points(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The shape's points (N, seconds at speed 1), non-decreasing."""
         if self._curve is None and len(self._bins) >= 2:
             pts = sorted((b[0], b[1]) for b in self._bins.values())
             n = np.array([p[0] for p in pts])
@@ -160,13 +182,14 @@ class MeasuredStepCost:
         lo = max((t[1] - t[0]) / max(n[1] - n[0], 1e-9), 0.0)
         hi = max((t[-1] - t[-2]) / max(n[-1] - n[-2], 1e-9), 0.0)
         y = np.where(x < n[0], np.maximum(t[0] - lo * (n[0] - x), 0.0), y)
-        return np.where(x > n[-1], t[-1] + hi * (x - n[-1]), y)
+        return self.speed * np.where(x > n[-1], t[-1] + hi * (x - n[-1]), y)
 
     def describe(self) -> str:
         c = self._points()
         if c is None:
             return "no data"
-        return ", ".join(f"T({int(round(a))})={1e3 * b:.1f}ms" for a, b in zip(*c))
+        return ", ".join(f"T({int(round(a))})={1e3 * self.speed * b:.1f}ms"
+                         for a, b in zip(*c)) + f" (speed x{self.speed:.2f})"
 
 
 class EWLinear:
