@@ -49,8 +49,8 @@ import json
 import os
 import pathlib
 import platform
-import sys
 import statistics
+import sys
 import tempfile
 import time
 

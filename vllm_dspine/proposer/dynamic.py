@@ -109,8 +109,9 @@ class MeasuredStepCost:
     shape: samples pooled in quarter-octave bins of N, each in the machine speed of its
     time (seconds / speed): a bin's mean over its first samples, then an exponentially
     weighted mean of small weight (BIN_EW); the piecewise-linear curve through the
-    bins, made non-decreasing, extended past the ends with the slope of the nearest segment (never negative). Flat then
-    linear (a GPU below its compute knee) and linear (this CPU) both fit.
+    bins, made non-decreasing, extended past the ends with the slope of the nearest
+    segment (never negative). Flat then linear (a GPU below its compute knee) and
+    linear (this CPU) both fit.
 
     speed: follows every step whatever its N (exponentially weighted, in log space).
     A CPU's speed moves by 1.5-2x within minutes (docs/dynamic-verification.md,
