@@ -136,9 +136,11 @@ def test_reference_formula_matches_transformers_gdn_layer():
 # bf16 is the only dtype vLLM's CPU GDN path runs, and DSpine's verify forward and replay
 # commit reach the same state as plain decoding through different kernels (fp32
 # differences ~1e-3 relative; a preempted request is recomputed by the chunked prefill
-# kernel): greedy outputs are compared as equal up to the first bf16 near-tie, where the
-# fp32 reference's top-2 logits (~10-14 here, bf16 spacing 0.0625) lie within NEAR_TIE
-# and DSpine's token is one of those two. Measured (docs/hybrid.md): with the replay
+# kernel): greedy outputs are compared as equal up to the first bf16 near-tie, where
+# both engines' tokens have fp32 reference logits (~10-14 here, bf16 spacing 0.0625)
+# within NEAR_TIE of the best (usually the top-2; on 2026-12-02 a fork after preemption
+# took a token outside the top-2, whose logits were 0.033 apart, so membership of the
+# top-2 is not the criterion). Measured (docs/hybrid.md): with the replay
 # commit every fork at a gap <= 0.14 (0.21 once, after a preemption); with a commit one
 # position short, 0 of 32 prompts identical and most forks at gaps 0.4 .. 5.4.
 NEAR_TIE = 0.25
@@ -204,17 +206,17 @@ def _tokens(outs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _top2(reference, prefix: list[int]) -> tuple[list[int], float]:
-    """The fp32 reference's two best next tokens after `prefix` and their logit gap."""
+def _fp32_logits(reference, prefix: list[int]) -> torch.Tensor:
+    """The fp32 reference's next-token logits after `prefix`."""
     with torch.no_grad():
-        top = reference(torch.tensor([prefix])).logits[0, -1].topk(2)
-    return top.indices.tolist(), float(top.values[0] - top.values[1])
+        return reference(torch.tensor([prefix])).logits[0, -1]  # [vocab]
 
 
 def assert_equal_up_to_near_ties(reference, outs, want, min_identical: float = 0.4):
-    """Every request's greedy tokens equal `want`'s, or fork between the fp32 reference's
-    top-2 tokens on the common prefix, whose logits are within NEAR_TIE; at least
-    `min_identical` of the requests identical throughout."""
+    """Every request's greedy tokens equal `want`'s, or fork where both tokens' fp32
+    reference logits on the common prefix lie within NEAR_TIE of the best one (a bf16
+    near-tie: two, sometimes three, tokens that close); at least `min_identical` of the
+    requests identical throughout."""
     identical, gaps = 0, []
     for i, (o, w) in enumerate(zip(outs, want)):
         g = list(o.outputs[0].token_ids)
@@ -223,11 +225,17 @@ def assert_equal_up_to_near_ties(reference, outs, want, min_identical: float = 0
             continue
         d = next((t for t in range(min(len(g), len(w))) if g[t] != w[t]), None)
         assert d is not None, f"request {i}: {len(g)} tokens, plain vLLM {len(w)}"
-        top2, gap = _top2(reference, list(o.prompt_token_ids) + w[:d])
+        logits = _fp32_logits(reference, list(o.prompt_token_ids) + w[:d])
+        best = float(logits.max())
+        ours, theirs = best - float(logits[g[d]]), best - float(logits[w[d]])
+        gap = max(ours, theirs)
         gaps.append(gap)
-        assert gap < NEAR_TIE and g[d] in top2 and w[d] in top2, \
-            f"request {i} forks from plain vLLM at token {d} ({g[d]} vs {w[d]}), where " \
-            f"the fp32 top-2 are {top2} with gap {gap:.3f} (not a near-tie)"
+        top = logits.topk(3)
+        assert gap < NEAR_TIE, \
+            f"request {i} forks from plain vLLM at token {d} ({g[d]} vs {w[d]}, " \
+            f"{ours:.3f} and {theirs:.3f} below the fp32 best; fp32 top-3 " \
+            f"{top.indices.tolist()} at {[round(float(v), 3) for v in top.values]}): " \
+            f"not a near-tie"
     print(f"identical {identical} of {len(want)}; fork gaps "
           f"{[round(x, 3) for x in sorted(gaps)]}")  # pytest -s: the figures docs/hybrid.md cites
     assert identical >= min_identical * len(want), (identical, len(want))
