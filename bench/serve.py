@@ -47,7 +47,6 @@ import importlib.util
 import json
 import os
 import pathlib
-import platform
 import re
 import shlex
 import shutil
@@ -65,7 +64,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from e2e import spec_of  # noqa: E402
-from workloads import humaneval_prompts, replace_section  # noqa: E402
+from workloads import humaneval_prompts, machine, replace_section  # noqa: E402
 
 DOC = REPO / "docs" / "benchmarks.md"
 SECTION = "bench_serve"
@@ -344,25 +343,6 @@ def version(*names: str) -> str:
         except importlib.metadata.PackageNotFoundError:
             continue
     return "?"
-
-
-def machine() -> str:
-    from vllm_dspine.plugin.cpu_env import has_cuda_gpu
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            m = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
-            cpu = m.group(1).strip() if m else cpu
-    except OSError:
-        pass
-    text = f"{os.cpu_count()}-core CPU ({cpu}, {platform.machine()})"
-    if has_cuda_gpu():
-        r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
-        text += f", GPU: {r.stdout.strip().splitlines()[0] if r.stdout.strip() else '?'}"
-    else:
-        text += ", no GPU"
-    return text
 
 
 def git_rev() -> str:
