@@ -5,6 +5,18 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (modules of small CPU ops use it for all their tests:
+    two threads on a busy 2-core box run those many times slower than one)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="session")
 def tiny_trained_pair(tmp_path_factory):
     """The tiny pair with its distilled drafter (`write_tiny_pair(seed=0, trained=True)`:

@@ -22,19 +22,12 @@ from vllm_dspine.train.loop import (IGNORE, DistillData, DistillSettings, block_
                                     block_loss, distill, row_weights, sample_batch)
 from vllm_dspine.train.target_data import generate_text, target_features
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
 # Small enough for seconds on a busy 2-core CPU: 4 sequences of 4 blocks per step.
 SETTINGS = DistillSettings(steps=3, seqs_per_step=4, blocks_per_seq=4, lr=1e-3, warmup=1,
                            ckpt_every=100, seed=0)
 PROMPT = 8
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Two threads on a busy 2-core box run these small ops many times slower than one.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

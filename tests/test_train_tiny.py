@@ -13,6 +13,8 @@ from vllm_dspine.train.distill import TrainSettings, train_tiny_drafter
 from vllm_dspine.train.target_data import (generate_text, generate_with_features,
                                            target_features)
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
 # A run small enough for the test budget (a few seconds on a busy 2-core CPU) that still
 # moves the loss well clear of noise: 20 steps at lr 5e-3 from a random drafter.
 SMALL = TrainSettings(steps=20, train_seqs=8, eval_seqs=4, prompt_len=8, new_tokens=32,
@@ -23,15 +25,6 @@ SMALL = TrainSettings(steps=20, train_seqs=8, eval_seqs=4, prompt_len=8, new_tok
 def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Two threads on a busy 2-core box run these small ops many times slower than one.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")
