@@ -6,4 +6,5 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 bash scripts/setup-venv.sh
 source scripts/env.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# --durations: the slowest tests, printed where CI shows them (the suite must fit its time limit).
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"
