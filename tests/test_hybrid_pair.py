@@ -800,14 +800,21 @@ def _two_sample(x: torch.Tensor, y: torch.Tensor, V: int) -> tuple[float, int]:
 
 
 @pytest.fixture(scope="module")
-def sampled(trained_pair, plain_llm):
+def sampled(trained_pair):
     from engine_utils import dspine_spec
 
-    want = _sample_tokens(plain_llm)
+    # Both engines run up to 128 requests at once: the module's `plain_llm` (16 at once)
+    # took 15-25 minutes for these 18,000 requests in a fresh-clone CI run (2026-12-02).
+    batch = dict(max_num_seqs=128, max_num_batched_tokens=128 * 16, max_model_len=64)
+    plain = _engine(trained_pair.target_dir, **batch)
+    try:
+        want = _sample_tokens(plain)
+    finally:
+        plain.llm_engine.engine_core.shutdown()
+        del plain
     llm = _engine(trained_pair.target_dir,
                   dspine_spec(trained_pair.draft_dir, dspine_verify="fixed",
-                              dspine_verify_max=2),
-                  max_num_seqs=128, max_num_batched_tokens=128 * 16, max_model_len=64)
+                              dspine_verify_max=2), **batch)
     try:
         got = _sample_tokens(llm)
         per_pos = _metric(llm, "vllm:spec_decode_num_accepted_tokens_per_pos").values

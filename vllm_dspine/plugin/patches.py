@@ -71,6 +71,14 @@ Patches:
    boundaries while mamba state blocks hold 384 tokens, so a block can be cached with
    the state of a position short of its boundary, and a later hit resumes from it
    (docs/hybrid.md, "Prefix caching").
+13. `vllm.model_executor.layers.mamba.ops.cpu.gdn_attention.causal_conv1d_torch` (CPU
+   only): vLLM's CPU GDN prefill conv where its C++ kernel is not used (CPUs without
+   AVX512-BF16, e.g. AVX2-only AMD EPYC): one bf16 `F.conv1d` per sequence and layer,
+   6-12 ms a call on such a CPU (measured 2026-12-02), which made hybrid targets ~10x
+   slower there (prefills, recomputes after preemption, DSpine's drafted rows). Replaced
+   by the same computation with the W taps summed in fp32 and rounded as vLLM's
+   (`_causal_conv1d_fp32_cpu`); same arguments, outputs and window updates. Plain
+   decoding of hybrid targets goes through it too.
 10. Only with `VLLM_DSPINE_STEP_PROFILE` set (bench/e2e.py): timers around
    `GPUModelRunner.execute_model`, `sample_tokens`, `_model_forward`, `_sample`,
    `propose_draft_token_ids` and `Scheduler.finish_requests` (aborts), written by
@@ -97,6 +105,7 @@ import inspect
 import sys
 
 import torch
+import torch.nn.functional as F
 
 PINNED_VLLM_VERSION = "0.32.0"
 
@@ -787,6 +796,73 @@ def _patch_gdn_cpu_core() -> None:
     gdn_attention._cpu_gdn_attention_nonspec = _cpu_gdn_attention_nonspec
 
 
+def _causal_conv1d_fp32_cpu(x, weight, bias, conv_states, query_start_loc,
+                            cache_indices=None, has_initial_state=None, activation="silu",
+                            pad_slot_id=None, **kwargs):
+    """vLLM's `causal_conv1d_fn_cpu` (patch 13): x [D, T] (sequences at query_start_loc),
+    weight [D, W], conv_states [slots, D, >= W - 1] read as initial windows and left
+    holding each sequence's last W - 1 inputs. Each output is the sum of the W taps in
+    fp32, rounded to the weight's dtype and then x's (as vLLM's conv in the weight's
+    dtype), then SiLU; sequences of no tokens or on the pad slot are skipped."""
+    from vllm.v1.attention.backends.utils import PAD_SLOT_ID
+
+    if isinstance(activation, bool):
+        activation = "silu" if activation else None
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"causal conv1d: activation {activation!r} is not None/silu/swish")
+    pad = PAD_SLOT_ID if pad_slot_id is None else pad_slot_id
+    x_dtype = x.dtype
+    x = x.to(conv_states.dtype)
+    out = torch.empty_like(x)  # [D, T]
+    D, W = weight.shape
+    taps = weight.float()[:, None, :]  # [D, 1, W]
+    bias32 = None if bias is None else bias.float()[:, None]  # [D, 1]
+    starts = query_start_loc.tolist()
+    slots = None if cache_indices is None else cache_indices.tolist()
+    initial = None if has_initial_state is None else has_initial_state.tolist()
+    for i in range(len(starts) - 1):
+        bos, eos = starts[i], starts[i + 1]
+        slot = i if slots is None else slots[i]
+        if bos == eos or slot == pad:
+            continue
+        if initial is not None and initial[i]:
+            window = conv_states[slot, :, :W - 1]  # [D, W-1]
+        else:
+            window = torch.zeros(D, W - 1, dtype=x.dtype)
+        conv_input = torch.cat([window, x[:, bos:eos]], dim=-1).to(weight.dtype)  # [D, W-1+L]
+        y = (conv_input.float().unfold(1, W, 1) * taps).sum(-1)  # [D, L]
+        if bias32 is not None:
+            y += bias32
+        y = y.to(weight.dtype).to(x.dtype)
+        out[:, bos:eos] = F.silu(y) if activation is not None else y
+        conv_states[slot, :, :W - 1].copy_(conv_input[:, -(W - 1):])
+    return out.to(x_dtype)
+
+
+def _patch_cpu_causal_conv1d() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+
+    original = _require(gdn_attention, "causal_conv1d_torch",
+                        "gdn_attention.causal_conv1d_torch")
+    if getattr(original, "_dspine_patched", False):
+        return
+    _require_params(original, ["x", "weight", "bias", "conv_states", "query_start_loc",
+                               "cache_indices", "has_initial_state", "activation",
+                               "pad_slot_id", "kwargs"], "gdn_attention.causal_conv1d_torch")
+
+    @functools.wraps(original)
+    def causal_conv1d_torch(*args, **kwargs):
+        return _causal_conv1d_fp32_cpu(*args, **kwargs)
+
+    causal_conv1d_torch._dspine_patched = True
+    causal_conv1d_torch._dspine_original = original
+    gdn_attention.causal_conv1d_torch = causal_conv1d_torch
+
+
 def _patch_gdn_commit() -> None:
     """`GPUModelRunner._update_states_after_model_execute` (which the CPU runner
     inherits; called right after sampling): vLLM's own update (its accepted counts), then
@@ -1002,7 +1078,7 @@ def apply_patches() -> None:
                   _patch_build_logitsprocs, _patch_qwen3_5_text_without_torchvision,
                   _patch_gdn_layer_init, _patch_gdn_state_shape_from_config,
                   _patch_gdn_kv_cache_spec, _patch_gdn_cpu_core, _patch_gdn_commit,
-                  _patch_gdn_mamba_bufs,
+                  _patch_gdn_mamba_bufs, _patch_cpu_causal_conv1d,
                   _patch_context_log_before_step, _patch_cpu_hybrid_block_size_kept,
                   _patch_step_profile):
         patch()
