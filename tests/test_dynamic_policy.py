@@ -66,6 +66,12 @@ def _step(v: DynamicVerifier, req_ids, kinds, conf, rejected=None, verified=None
     return True, lengths
 
 
+# Drafting that does not pay while probes are cheap: verification nearly free, the
+# drafter 15 % of a step, drafts seldom accepted. (Where verification itself is dear,
+# probes are too, and PROBE_BUDGET spaces them further: its own test below.)
+UNPAID_CHEAP_PROBES = FixedCost(step_s=1.0, token_s=0.001, draft_s=0.15)
+
+
 def test_zero_drafts_when_the_cost_model_says_verification_cannot_pay():
     """Injected cost: a verified token costs as much as a whole step's fixed part plus
     more, and no draft is certain: every request verifies 0; after SKIP_AFTER such steps
@@ -84,9 +90,15 @@ def test_zero_drafts_when_the_cost_model_says_verification_cannot_pay():
     assert drafted and list(lengths) == [0, 0]  # greedy alone: nothing pays
     for _ in range(SKIP_AFTER - 3):
         assert _step(v, ids, kinds, conf)[0]
+    assert v.summary()["skipping"]
     # The drafter is skipped now, except at probes: one request verified at all of the
     # probe's PROBE_ROWS drafts (and beside its tokens, a few confident drafts of the
     # others may pay).
+    v = DynamicVerifier(K, UNPAID_CHEAP_PROBES)
+    conf = np.full((4, K), 0.05)
+    for _ in range(SKIP_AFTER):
+        _step(v, ids, kinds, conf)
+    assert v.summary()["skipping"]
     pattern = []
     for _ in range(PROBE_MIN * 7):
         drafted, lengths = _step(v, ids, kinds, conf)
@@ -98,21 +110,49 @@ def test_zero_drafts_when_the_cost_model_says_verification_cannot_pay():
     assert v.summary()["skipping"]
 
 
+def test_probes_take_at_most_their_budget_of_engine_time():
+    """Where verification is what does not pay (a token costs as much as a step), a
+    probe costs as much as a step: probes are then spaced so that their extra cost stays
+    within PROBE_BUDGET of the engine's time, arrivals included (at PROBE_MIN they would
+    have taken 1 / PROBE_MIN of it)."""
+    from vllm_dspine.proposer.dynamic import PROBE_BUDGET
+
+    cost = FixedCost(step_s=0.0, token_s=1.0, draft_s=0.0)
+    v = DynamicVerifier(K, cost)
+    ids, kinds = ["a", "b", "c", "d"], [GREEDY] * 4
+    conf = np.full((4, K), 0.95)
+    for _ in range(SKIP_AFTER):
+        _step(v, ids, kinds, conf)
+    assert v.summary()["skipping"]
+    spent = extra = 0.0
+    arrivals = 0
+    for step in range(2000):
+        if step % 50 == 0:  # a new request every 50 steps, replacing the oldest
+            arrivals += 1
+            ids = ids[1:] + [f"new{arrivals}"]
+        drafted, lengths = _step(v, ids, kinds, conf)
+        plain = float(cost.verify(len(ids)))
+        spent += plain
+        if drafted:
+            extra += float(cost.verify(len(ids) + lengths.sum())) - plain
+    assert 0 < extra <= PROBE_BUDGET * spent * 1.05, (extra, spent)
+
+
 def test_requests_arriving_while_skipping_are_probed_soon():
     """While the drafter is skipped, probes come at doubling intervals (16, 32, 64, ...
     steps). A request that arrives meanwhile (a new workload whose acceptance nobody has
     seen) is probed PROBE_MIN steps after the last probe at the earliest, once, and that
     early probe does not double the interval; the requests there all along wait for it."""
-    v = DynamicVerifier(K, FixedCost(step_s=0.0, token_s=1.0, draft_s=0.0))
+    v = DynamicVerifier(K, UNPAID_CHEAP_PROBES)
     ids = ["a", "b", "c", "d"]
     kinds = [GREEDY] * 4
-    conf = np.full((4, K), 0.95)
+    conf = np.full((4, K), 0.05)
     for _ in range(SKIP_AFTER):
         _step(v, ids, kinds, conf)
     assert v.summary()["skipping"]
     probes = [i + 1 for i in range(7 * PROBE_MIN) if _step(v, ids, kinds, conf)[0]]
     assert probes == [PROBE_MIN, 3 * PROBE_MIN, 7 * PROBE_MIN]  # the interval is 8x now
-    ids5, kinds5, conf5 = ids + ["e"], kinds + [GREEDY], np.full((5, K), 0.95)
+    ids5, kinds5, conf5 = ids + ["e"], kinds + [GREEDY], np.full((5, K), 0.05)
     drafted = [_step(v, ids5, kinds5, conf5) for _ in range(9 * PROBE_MIN)]
     steps = [i + 1 for i, (d, _) in enumerate(drafted) if d]
     # "e" at PROBE_MIN steps; then the regular probe, the interval (8 x PROBE_MIN, not

@@ -39,6 +39,7 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_dspine.plugin.hf_config import dspine_config_of
 from vllm_dspine.plugin.step_profile import profile, timed
+from vllm_dspine.kernels.cpu_gemm import FixedWeightMatmul
 from vllm_dspine.kernels.retrieval import retrieve_candidates
 from vllm_dspine.kernels.retrieval_ref import FP8Head
 from vllm_dspine.kernels.retrieval import fp8_matmul_available
@@ -93,6 +94,7 @@ class DSpineProposer(DFlashProposer):
         self._coarse_head: torch.Tensor | None = None  # [V, H] bf16 copy of an fp32 head
         self._retrieval_ids: torch.Tensor | None = None  # [V'] the drafter's retrieval_vocab
         self._retrieval_head: torch.Tensor | None = None  # [V' or V, H]
+        self._retrieval_matmul: FixedWeightMatmul | None = None
         self._tail_tables: TailTables | None = None
         self._debug_dump_dir = os.environ.get("VLLM_DSPINE_DEBUG_DUMP") or None
         # Verification length (docs/dynamic-verification.md).
@@ -150,6 +152,10 @@ class DSpineProposer(DFlashProposer):
             # coarse_topk rescored with the fp32 head (kernels/retrieval.py). Smaller
             # heads are scored in fp32 whole: exact, and faster (EXACT_FP32_MAX_VOCAB).
             self._coarse_head = retrieval_head.to(torch.bfloat16).contiguous()
+        if self._fp8_head is None and self._coarse_head is None:
+            # The whole head is scored in its own dtype: vLLM's oneDNN matmul on CPU
+            # (kernels/cpu_gemm.py), torch's elsewhere.
+            self._retrieval_matmul = FixedWeightMatmul(retrieval_head)
         bridge = self.model.model.bridge.weights()
         self._tail_tables = TailTables.build(bridge, head, self.model.model.norm.weight)
         if self._runner is not None:
@@ -207,7 +213,8 @@ class DSpineProposer(DFlashProposer):
         cand_ids = retrieve_candidates(
             hidden_states, self._retrieval_head, k, cfg.coarse_topk, self._fp8_head,
             mode="auto" if self._fp8_head is not None else "bf16",
-            coarse_head=self._coarse_head).view(num_reqs, K, k)
+            coarse_head=self._coarse_head,
+            head_matmul=self._retrieval_matmul).view(num_reqs, K, k)
         if self._retrieval_ids is not None:
             cand_ids = self._retrieval_ids[cand_ids]  # rows of the sub-head -> token ids
 

@@ -71,6 +71,13 @@ PROBE_MIN, PROBE_MAX = 16, 512  # steps between probes while skipping (doubling)
 # While skipping, requests that arrived since the skip began are probed, PROBE_MIN steps
 # after the last probe at the earliest, whatever the doubled interval: acceptance belongs
 # to the workload, and a new one should not wait up to PROBE_MAX steps to be seen.
+# A probe while skipping costs its block (PROBE_ROWS drafts for every request: vLLM's
+# DFlash layout drafts the whole batch) and the verification of the probed drafts; it is
+# spaced so that probes take at most this share of the engine's time (by the cost model).
+# At concurrency 8 on this CPU an arrival probe of 8 requests cost ~150 ms over a 110 ms
+# step; every 16 steps (PROBE_MIN), as a server with steady arrivals would probe, that
+# was 8 % of the time where drafting does not pay.
+PROBE_BUDGET = 0.01
 EXPLORE_EVERY = 64  # steps between probes while drafting (acceptance of long prefixes)
 ROWS_MIN = 2  # fewest drafts a drafted block has (enough to see whether draft 2 pays)
 PROBE_ROWS = 4  # drafts of a probe while the drafter is skipped
@@ -109,9 +116,13 @@ class MeasuredStepCost:
     shape: samples pooled in quarter-octave bins of N, each in the machine speed of its
     time (seconds / speed): a bin's mean over its first samples, then an exponentially
     weighted mean of small weight (BIN_EW); the piecewise-linear curve through the
-    bins, made non-decreasing, extended past the ends with the slope of the nearest
-    segment (never negative). Flat then linear (a GPU below its compute knee) and
-    linear (this CPU) both fit.
+    bins as measured, extended past the ends with the slope of the nearest segment
+    (never negative). Flat then linear (a GPU below its compute knee), linear, and
+    the dips of a CPU's GEMM kernels all fit: the curve is not made monotonic, because
+    it is not. On this CPU (oneDNN, one thread, SmolLM2's 30 layers streamed from
+    memory) 2 tokens cost more than 5: 41.8 vs 29.8 ms (docs/dynamic-verification.md,
+    "Cost curve"), so a verification of 4 drafts is cheaper than one of 1, and a curve
+    forced non-decreasing hid that from the policy.
 
     speed: follows every step whatever its N (exponentially weighted, in log space).
     A CPU's speed moves by 1.5-2x within minutes (docs/dynamic-verification.md,
@@ -165,12 +176,10 @@ class MeasuredStepCost:
         self._curve = None
 
     def _points(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """The shape's points (N, seconds at speed 1), non-decreasing."""
+        """The shape's points (N, seconds at speed 1), in order of N."""
         if self._curve is None and len(self._bins) >= 2:
             pts = sorted((b[0], b[1]) for b in self._bins.values())
-            n = np.array([p[0] for p in pts])
-            t = np.maximum.accumulate(np.array([p[1] for p in pts]))
-            self._curve = (n, t)
+            self._curve = (np.array([p[0] for p in pts]), np.array([p[1] for p in pts]))
         return self._curve
 
     def verify(self, n_tokens):
@@ -362,7 +371,7 @@ class SeededLengthRule:
 @dataclass
 class Choice:
     lengths: np.ndarray  # [R] int
-    threshold: float  # lambda for the next step's sampled requests
+    threshold: float | None  # lambda for the next step's sampled requests
     rho_draft: float  # best expected tokens/s with the drafter
     rho_plain: float  # expected tokens/s without it
 
@@ -419,12 +428,17 @@ def choose_lengths(
     m, _ = _best_prefix(g, tok_s, n_s, verify, draft_s, max_tokens - n_s)
     np.add.at(lengths, rows[:m], 1)
     # The threshold for the next step, and whether drafting pays: the joint optimum
-    # over every request whose length the policy chooses.
+    # over every request whose length the policy chooses. The threshold is the gain
+    # midway between the last draft the optimum takes and the first it leaves out, so
+    # that the same gains next step give the same choice. (Not the marginal value
+    # rate x dT/dN: the measured curve has dips, where that slope is negative.)
     rows, g = entries(greedy | sampled)
     m, rho = _best_prefix(g, tokens0, n0, verify, draft_s, max_tokens - n0)
-    n_star = n0 + m
-    slope = float(verify(n_star + 1) - verify(n_star))
-    lam = rho * max(slope, 0.0)
+    lam = threshold
+    if len(g):
+        taken = float(g[m - 1]) if m > 0 else 2.0 * float(g[0]) + 1e-12
+        left = float(g[m]) if m < len(g) else 0.0
+        lam = 0.5 * (taken + left)
     plain = float(live.sum()) / max(float(verify(int(live.sum()))) + context_s, 1e-12)
     return Choice(lengths, lam, rho, plain)
 
@@ -552,10 +566,13 @@ class DynamicVerifier:
         if self.skipping:
             self._skip_known.intersection_update(self._req_ids)  # forget finished ones
             arrived = [int(i) for i in dyn if self._req_ids[i] not in self._skip_known]
-        if self.skipping and self.since_probe < self.probe_interval:
-            if not (arrived and self.since_probe >= PROBE_MIN):
-                return Plan(False, caps=caps)
-            self._arrival_probe = True  # early: does not double the interval
+        if self.skipping:
+            count = len(arrived) or -(-len(dyn) // PROBES_PER_REQUESTS)
+            gap = self._probe_gap(len(dyn), count)
+            if self.since_probe < max(self.probe_interval, gap):
+                if not (arrived and self.since_probe >= gap):
+                    return Plan(False, caps=caps)
+                self._arrival_probe = True  # early: does not double the interval
         if not self.skipping and self.since_probe < EXPLORE_EVERY:
             return Plan(True, rows=min(self.row_budget, self.K), caps=caps)
         self.since_probe = 0
@@ -572,6 +589,20 @@ class DynamicVerifier:
         # pay again?); while drafting, twice the budget (longer prefixes, step by step).
         rows = PROBE_ROWS if self.skipping else min(self.K, 2 * self.row_budget)
         return Plan(True, picked, rows=rows, caps=caps)
+
+    def _probe_gap(self, num_reqs: int, probed: int) -> int:
+        """Fewest steps from one probe to the next while skipping (at least PROBE_MIN):
+        what a probe of `probed` requests adds to a step (a block of PROBE_ROWS drafts for
+        all `num_reqs`, and PROBE_ROWS more target tokens per probed request), over
+        PROBE_BUDGET of a step without the drafter."""
+        R = max(num_reqs, 1)
+        plain = float(self.verify_cost.verify(R)) + self.context_seconds(R)
+        extra = (self.draft_seconds(R * (PROBE_ROWS + 1)) - self.context_seconds(R)
+                 + float(self.verify_cost.verify(R + probed * PROBE_ROWS))
+                 - float(self.verify_cost.verify(R)))
+        if not plain > 0:
+            return PROBE_MIN
+        return max(PROBE_MIN, math.ceil(max(extra, 0.0) / (PROBE_BUDGET * plain)))
 
     def choose(self, req_ids: list[str], kinds: np.ndarray, caps: np.ndarray,
                conf: np.ndarray, plan: Plan) -> np.ndarray:

@@ -13,7 +13,9 @@ logprobs through the inherited `_get_logprobs_tensors`), with three differences:
   * the draft rows get the processing vLLM's own sampler gives a normal step and
     vLLM's rejection sampler leaves out: logit bias (before penalties, as in
     `Sampler.apply_logits_processors`) and min-p (after temperature, before
-    top-k/top-p, as in `Sampler.sample`).
+    top-k/top-p, as in `Sampler.sample`);
+  * top-k/top-p of the draft rows give vLLM's result bit for bit without sorting the
+    vocabulary with indices on CPU (`top_k_top_p.py`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from vllm.v1.sample.logits_processor.builtin import (
     MinTokensLogitsProcessor,
 )
 from vllm.v1.sample.metadata import SamplingMetadata
-from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.sample.rejection_sampler import (
     GREEDY_TEMPERATURE,
     MAX_SPEC_LEN,
@@ -38,6 +39,7 @@ from vllm.v1.sample.rejection_sampler import (
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
 from vllm_dspine.verify.sparse_rejection import sparse_rejection_sample
+from vllm_dspine.verify.top_k_top_p import apply_top_k_top_p_values_sorted
 from vllm_dspine.verify.sparse_rejection_ref import (
     generate_inv_exp,
     generate_uniform_probs,
@@ -141,7 +143,9 @@ def apply_draft_sampling_constraints(
 
     top_k = sampling_metadata.top_k
     top_p = sampling_metadata.top_p
-    return apply_top_k_top_p(
+    # vLLM's function, bit for bit, without its per-row sort with indices on CPU
+    # (top_k_top_p.py): every verified draft of a sampled request is a row here.
+    return apply_top_k_top_p_values_sorted(
         logits,
         None if top_k is None else expand_to_draft_rows(top_k, num_draft_tokens),
         None if top_p is None else expand_to_draft_rows(top_p, num_draft_tokens),

@@ -1,0 +1,57 @@
+"""`x @ weight.T` for a weight fixed at load, through vLLM's oneDNN matmul on CPU.
+
+vLLM's own linear layers on CPU run through a oneDNN handle built once per weight
+(`vllm._custom_ops.create_onednn_mm`, see `dispatch_cpu_unquantized_gemm`); a plain
+`torch.nn.functional.linear` there goes through MKL, which at the few rows a draft
+block has is 2-5x slower. Measured (one thread, this project's 2-core CPU, fp32,
+`[6227, 576]` retrieval head, weights in cache): F.linear 1.34 / 3.09 / 4.91 / 3.67 ms
+for 1 / 2 / 3 / 16 rows, oneDNN 0.51 / 0.97 / 1.03 / 1.73 ms (docs/kernels.md, "CPU
+GEMMs"). The drafter's retrieval scores its whole head every drafted step, so this is
+its largest single product after the layers.
+
+Off CPU, for dtypes oneDNN does not take, or when vLLM's build lacks oneDNN, the call
+is `F.linear` itself. The two differ only in floating-point summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _onednn_handle(weight: torch.Tensor):
+    """vLLM's oneDNN matmul handle for `weight` [N, K], or None where it does not apply."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    try:
+        from vllm import _custom_ops as ops
+    except ImportError:  # pragma: no cover - vLLM is a dependency
+        return None
+    if not getattr(ops, "_supports_onednn", False):
+        return None
+    try:
+        return ops.create_onednn_mm(weight.t(), 32)
+    except RuntimeError:  # vLLM falls back to torch the same way
+        return None
+
+
+class FixedWeightMatmul:
+    """y = x @ weight.T for one weight [N, K] kept for the engine's life."""
+
+    def __init__(self, weight: torch.Tensor):  # [N, K]
+        if weight.ndim != 2:
+            raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+        self.weight = weight
+        self._handle = _onednn_handle(weight)
+
+    @property
+    def uses_onednn(self) -> bool:
+        return self._handle is not None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        if (self._handle is not None and x.dtype == self.weight.dtype
+                and x.device == self.weight.device):
+            from vllm import _custom_ops as ops
+
+            return ops.onednn_mm(self._handle, x.contiguous(), None)
+        return F.linear(x.to(self.weight.dtype), self.weight)
