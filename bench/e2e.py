@@ -308,13 +308,15 @@ def run_method(method: str, pair: str, workloads: dict, samplings: list[str],
 
 def run_interleaved(methods: dict[str, list[int]], pair: str, workloads: dict,
                     samplings: list[str], max_tokens: int, rounds: int, log,
-                    prompts_c1: int | None = None, prefix_caching: bool = False
-                    ) -> list[dict]:
+                    prompts_c1: int | None = None, prefix_caching: bool = False,
+                    fixed_rounds: int = 0) -> list[dict]:
     """All methods' engines started side by side; each setting then runs `rounds`
     times, every round running each method once (the order rotated round to round), so
     a drift of the machine enters all methods of a round alike. A method's row is its
     totals over the rounds, with `x_plain_rounds`: its tokens/s over plain's of the same
-    round. `methods` maps each method to its concurrencies."""
+    round. `methods` maps each method to its concurrencies. `fixed_rounds` > 0: the
+    methods that verify all 15 drafts run in the first `fixed_rounds` rounds only (at
+    concurrency 32 one of their rounds takes as long as ten of the others')."""
     concs = sorted({c for cs in methods.values() for c in cs})
     engines = {}
     for m in methods:
@@ -331,7 +333,9 @@ def run_interleaved(methods: dict[str, list[int]], pair: str, workloads: dict,
                 todo = [m for m in names if c in methods[m]]
                 per_round: dict[str, list[dict]] = {m: [] for m in todo}
                 for r in range(rounds):
-                    order = todo[r % len(todo):] + todo[:r % len(todo)]
+                    now = [m for m in todo if not (fixed_rounds and r >= fixed_rounds
+                                                   and m in FIXED_METHODS)]
+                    order = now[r % len(now):] + now[:r % len(now)]
                     for m in order:
                         # vLLM's idle worker spins (sched_yield) for 1 s after its last
                         # message before it sleeps on its socket: let it, so that it does
@@ -571,6 +575,9 @@ def main() -> None:
                     "ROUNDS times, each round running every method once (order rotated): "
                     "the ratios to plain are then per round, so drift of the machine "
                     "between methods cancels (0: one method after the other)")
+    ap.add_argument("--fixed-rounds", type=int, default=0, metavar="N",
+                    help="with --interleave: the methods that verify all 15 drafts run in "
+                    "the first N rounds of each setting only (0: every round)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--doc", default=str(DOC))
     ap.add_argument("--img", default=str(IMG), help="folder of the PNG plots")
@@ -608,7 +615,8 @@ def main() -> None:
     if args.interleave:
         rows = run_interleaved(method_concs, args.pair, workloads, samplings,
                                args.max_tokens, args.interleave, log, args.prompts_c1,
-                               prefix_caching=args.prefix_caching)
+                               prefix_caching=args.prefix_caching,
+                               fixed_rounds=args.fixed_rounds)
     else:
         for m, cm in method_concs.items():
             log(f"starting {m} (concurrency {','.join(map(str, cm))}) ...")
@@ -642,7 +650,10 @@ def main() -> None:
             f"{K} drafts ({', '.join(FIXED_METHODS)}) ran up to concurrency "
             f"{args.fixed_max_concurrency or max(concs)}. "
             + (f"Interleaved: all engines side by side, each setting {args.interleave} "
-               f"rounds of every method (order rotated); tok/s is over all rounds, x plain "
+               f"rounds of every method (order rotated"
+               + (f"; {', '.join(FIXED_METHODS)} in the first {args.fixed_rounds} only"
+                  if args.fixed_rounds else "")
+               + "); tok/s is over all rounds, x plain "
                f"the median of the per-round ratios (each round's in brackets); the "
                f"acceptance columns only for the last method listed (vLLM's metrics "
                f"registry keeps one engine per process). "

@@ -194,3 +194,26 @@ def check_counters_account_for(before: dict, after: dict, tokens: list[int],
     assert drafts == steps - d.get(VERIFIED_DRAFTS + "_bucket|le=0", 0), info
     assert 0 < accepted <= draft_tokens and drafts > 0, info
     return d
+
+
+def assert_candidates_match_reference(final_rows, head, ref_cand, cand, where: str) -> bool:
+    """The engine's retrieval candidates `cand` [K, k] against the reference's `ref_cand`
+    [K, k] for the same final states `final_rows` [K, H] and output head [V, H] (both
+    as token ids). Equal, or a near-tie: the engine scores its head through vLLM's
+    oneDNN matmul and gets its features from vLLM's target forward, the reference uses
+    torch and transformers; the two agree to ~1e-6, so two ids whose scores tie to that
+    level may swap places (or the k-th and (k+1)-th trade). Any other difference fails.
+    Returns True when the two were not identical (a near-tie was accepted)."""
+    import torch
+
+    if torch.equal(ref_cand, cand):
+        return False
+    scores = final_rows.double() @ head.double().t()  # [K, V]
+    want = scores.gather(1, ref_cand)  # [K, k] reference top-k, descending
+    have = scores.gather(1, cand)  # [K, k] the engine's picks, same scale
+    gap = float((want - have).abs().max())
+    # 1e-3 on logits of size ~10: a thousand times the disagreement of the two
+    # computations, far below the gap a real retrieval error would leave between tokens.
+    assert gap < 1e-3, (f"{where}: engine candidates are not the reference top-"
+                        f"{ref_cand.shape[1]} (score gap {gap:.3g})")
+    return True

@@ -14,7 +14,8 @@ import os
 import pytest
 import torch
 
-from engine_utils import dspine_spec, make_llm, prompts_of_lengths, spec_metrics
+from engine_utils import (assert_candidates_match_reference, dspine_spec, make_llm,
+                          prompts_of_lengths, spec_metrics)
 
 pytestmark = pytest.mark.engine
 
@@ -233,9 +234,14 @@ def _check_drafts_against_reference(pair, dump_dir, seqs, vocab=None) -> int:
             else:  # retrieval over the listed head rows only, mapped back to token ids
                 cand = vocab[retrieve_candidates(final[1:], head[vocab], cfg.head_topk,
                                                  cfg.coarse_topk, None, mode="bf16")]
-            assert torch.equal(cand[:K], step["cand_ids"][r])
+            # Equal up to near-ties; the tail is then checked on the engine's own
+            # candidates, so a near-tie costs no coverage.
+            assert_candidates_match_reference(final[1:K + 1], head, cand[:K],
+                                              step["cand_ids"][r], f"{req_id} anchor {p}")
+            cand = torch.cat([step["cand_ids"][r], cand[K:]])  # [B - 1, k] the engine's first K
             proposal = refine_last_write(
-                out.pre_write_state[0], out.last_codes[0], out.last_rms[0], cand[None],
+                out.pre_write_state[0], out.last_codes[0], out.last_rms[0],
+                cand[None],
                 torch.tensor([seq[p]]), bridge_weights(cfg, tensors), tensors["norm.weight"],
                 cfg.rms_norm_eps, head, torch.zeros(1))
             assert torch.equal(proposal.draft_token_ids[0, :K], step["draft_token_ids"][r])

@@ -3,10 +3,10 @@
 vLLM's own linear layers on CPU run through a oneDNN handle built once per weight
 (`vllm._custom_ops.create_onednn_mm`, see `dispatch_cpu_unquantized_gemm`); a plain
 `torch.nn.functional.linear` there goes through MKL, which at the few rows a draft
-block has is 2-5x slower. Measured (one thread, this project's 2-core CPU, fp32,
-`[6227, 576]` retrieval head, weights in cache): F.linear 1.34 / 3.09 / 4.91 / 3.67 ms
-for 1 / 2 / 3 / 16 rows, oneDNN 0.51 / 0.97 / 1.03 / 1.73 ms (docs/kernels.md, "CPU
-GEMMs"). The drafter's retrieval scores its whole head every drafted step, so this is
+block has is 1.2-4x slower. Measured (bench/bench_cpu_ops.py: one thread, this
+project's 2-core CPU, fp32, `[6227, 576]` retrieval head): F.linear 2.03 / 4.53 / 6.50 /
+6.21 ms for 1 / 2 / 3 / 16 rows, oneDNN 1.68 / 2.09 / 1.61 / 2.32 ms (docs/kernels.md,
+"CPU GEMMs"). The drafter's retrieval scores its whole head every drafted step, so this is
 its largest single product after the layers.
 
 Off CPU, for dtypes oneDNN does not take, or when vLLM's build lacks oneDNN, the call

@@ -120,9 +120,9 @@ class MeasuredStepCost:
     (never negative). Flat then linear (a GPU below its compute knee), linear, and
     the dips of a CPU's GEMM kernels all fit: the curve is not made monotonic, because
     it is not. On this CPU (oneDNN, one thread, SmolLM2's 30 layers streamed from
-    memory) 2 tokens cost more than 5: 41.8 vs 29.8 ms (docs/dynamic-verification.md,
-    "Cost curve"), so a verification of 4 drafts is cheaper than one of 1, and a curve
-    forced non-decreasing hid that from the policy.
+    memory) 2 tokens cost more than 5: 52.5 vs 34.7 ms (bench/bench_cpu_ops.py,
+    docs/benchmarks.md), so a verification of 4 drafts is cheaper than one of 1, and a
+    curve forced non-decreasing hid that from the policy.
 
     speed: follows every step whatever its N (exponentially weighted, in log space).
     A CPU's speed moves by 1.5-2x within minutes (docs/dynamic-verification.md,

@@ -4,7 +4,8 @@ without its sort with indices.
 vLLM's CPU sampler (`apply_top_k_top_p_pytorch`, the path taken without Triton) sorts
 every row of `[rows, vocab]` logits with their indices, masks the sorted rows (top-k by
 value, top-p by the cumulative softmax of the sorted values), and scatters them back.
-On this project's CPU the sort is ~3.8 ms a row at SmolLM2's 49,152 ids (one thread),
+On this project's CPU the whole call costs ~4.6-5.3 ms a row at SmolLM2's 49,152 ids
+(one thread; bench/bench_cpu_ops.py),
 and every verified draft of a sampled request is a row: at temperature 0.7 / top-p
 0.95 verification of 4 drafts cost 26 ms of sampler beside a ~70 ms target step
 (docs/verify.md, "Top-p on draft rows").
@@ -14,7 +15,7 @@ the k-th largest value, and top-p masks the sorted positions j whose cumulative
 probability (float32 softmax of the sorted values, then float32 cumsum: the same
 kernels on the same numbers as vLLM's) is <= 1 - p, a prefix of the sorted row. So:
 
-  1. sort the values alone (numpy's sort, ~1.2 ms a row here);
+  1. sort the values alone (numpy's sort);
   2. apply vLLM's top-k and top-p formulas to them, which gives the first kept sorted
      position j and its value b;
   3. in the row's own order, mask every logit < b (and the top-k ones).
