@@ -5,10 +5,9 @@ vLLM's CPU sampler (`apply_top_k_top_p_pytorch`, the path taken without Triton) 
 every row of `[rows, vocab]` logits with their indices, masks the sorted rows (top-k by
 value, top-p by the cumulative softmax of the sorted values), and scatters them back.
 On this project's CPU the whole call costs ~4.6-5.3 ms a row at SmolLM2's 49,152 ids
-(one thread; bench/bench_cpu_ops.py),
-and every verified draft of a sampled request is a row: at temperature 0.7 / top-p
-0.95 verification of 4 drafts cost 26 ms of sampler beside a ~70 ms target step
-(docs/verify.md, "Top-p on draft rows").
+(one thread; bench/bench_cpu_ops.py), and every verified draft of a sampled request is
+a row: at temperature 0.7 / top-p 0.95 verification of 4 drafts cost 26 ms of sampler
+beside a ~70 ms target step (docs/verify.md, "Top-p on draft rows").
 
 What the mask depends on is only the sorted *values* of a row: the top-k threshold is
 the k-th largest value, and top-p masks the sorted positions j whose cumulative
@@ -24,7 +23,7 @@ Tokens whose logit equals b straddle the cut when some of them sit before positi
 which of them vLLM keeps then depends on the order its unstable sort gave equal values.
 Such rows (and rows with NaN) are handed to vLLM's own function; so are GPU tensors and
 calls without top-p (vLLM's top-k-only path does not sort). The result is always
-`torch.equal` to vLLM's (tests/test_verify_sampler.py).
+`torch.equal` to vLLM's (tests/test_top_k_top_p.py).
 """
 
 from __future__ import annotations
