@@ -13,7 +13,7 @@ and the drafted methods would prefill different amounts of the same prompts.
 
 Per (method, workload, sampling, concurrency): output tokens/s; from vLLM's own
 spec-decode counters the mean acceptance length and acceptance per position; from inside
-the engine (`VLLM_DSPINE_STEP_PROFILE`, vllm_dspine/plugin/step_profile.py) the time per
+the engine (`VLLM_DSPINE_STEP_PROFILE`, vllm_dspine/step_profile.py) the time per
 step split into draft forward / retrieval + tail / verification (target) forward /
 sampler / host overhead, and the integration efficiency (below). Per method: peak
 resident memory of the engine process, and the time from an abort (8 running requests)
@@ -154,7 +154,7 @@ def abort_probe(llm, prompts: list[list[int]], profile_path: str, n: int = 8) ->
     machine) and the KV usage it saw then."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-    from vllm_dspine.plugin.step_profile import read
+    from vllm_dspine.step_profile import read
 
     eng = llm.llm_engine
     ids = [f"abort-probe-{i}" for i in range(n)]
@@ -218,7 +218,7 @@ class Engine:
         time. Returns the row (tokens/s, acceptance, per-step profile, outputs)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm_dspine.plugin.step_profile import read
+        from vllm_dspine.step_profile import read
 
         llm = self.llm
         # Concurrency 1 is slow on CPU: it may run on the first prompts only; a
@@ -260,7 +260,7 @@ class Engine:
 
     def close(self, rows: list[dict], first_ids: list[list[int]], log) -> None:
         """The abort probe, peak memory into this engine's rows, shutdown."""
-        from vllm_dspine.plugin.step_profile import read
+        from vllm_dspine.step_profile import read
 
         probe = abort_probe(self.llm, first_ids, self.profile_path)
         final = read(self.profile_path) or {}
@@ -587,7 +587,7 @@ def main() -> None:
         if getattr(args, k) is None:
             setattr(args, k, v)
 
-    from vllm_dspine.plugin.cpu_env import set_cpu_defaults
+    from vllm_dspine.cpu_env import set_cpu_defaults
 
     set_cpu_defaults()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--no-doc", action="store_true")
     args = ap.parse_args()
 
-    from vllm_dspine.plugin.cpu_env import set_cpu_defaults
+    from vllm_dspine.cpu_env import set_cpu_defaults
 
     set_cpu_defaults()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -73,7 +73,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm_dspine.model.memory import QWEN38_27B_GDN, format_gdn_state_memory, \
         gdn_state_memory
-    from vllm_dspine.plugin.step_profile import read
+    from vllm_dspine.step_profile import read
 
     concs = [int(c) for c in args.concurrency.split(",")]
     texts = prompts(args.prompts)

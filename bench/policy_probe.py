@@ -89,7 +89,7 @@ def main() -> None:
                     "that never pays gives the steps without drafts)")
     args = ap.parse_args()
 
-    from vllm_dspine.plugin.cpu_env import set_cpu_defaults
+    from vllm_dspine.cpu_env import set_cpu_defaults
 
     set_cpu_defaults()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -100,7 +100,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_dspine.plugin.step_profile import profile
+    from vllm_dspine.step_profile import profile
 
     pair = pathlib.Path(args.pair)
     conc = max(1, args.concurrency)

@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--no-doc", action="store_true")
     args = ap.parse_args()
 
-    from vllm_dspine.plugin.cpu_env import set_cpu_defaults
+    from vllm_dspine.cpu_env import set_cpu_defaults
 
     set_cpu_defaults()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

@@ -475,7 +475,7 @@ def method_spec(method: str, args) -> tuple[dict | None, str | None]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from vllm_dspine.plugin.cpu_env import set_cpu_defaults
+    from vllm_dspine.cpu_env import set_cpu_defaults
 
     set_cpu_defaults()
     env = dict(os.environ)

@@ -59,7 +59,7 @@ def humaneval_prompts(cache_dir: str) -> list[str]:
 def machine() -> str:
     """The benchmarks' "Machine:" line: cores, CPU model (from /proc/cpuinfo), and the
     GPU where there is one; one writer, so that every table names the machine alike."""
-    from vllm_dspine.plugin.cpu_env import has_cuda_gpu
+    from vllm_dspine.cpu_env import has_cuda_gpu
 
     cpu = platform.processor() or platform.machine()
     try:

@@ -30,7 +30,7 @@ CHAT = (
 
 
 def _env() -> None:
-    from vllm_dspine.plugin.cpu_env import set_cpu_defaults
+    from vllm_dspine.cpu_env import set_cpu_defaults
 
     set_cpu_defaults()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

@@ -125,7 +125,7 @@ def _smoke(base: str, model: str, replicas: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args, extra_serve_args = _parse_args(sys.argv[1:] if argv is None else argv)
-    from vllm_dspine.plugin.cpu_env import has_cuda_gpu, set_cpu_defaults
+    from vllm_dspine.cpu_env import has_cuda_gpu, set_cpu_defaults
 
     set_cpu_defaults()  # what scripts/env.sh sets; build_app forwards it to the replicas
     gpu = has_cuda_gpu()

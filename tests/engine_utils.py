@@ -8,7 +8,7 @@ DSPINE_K = 15
 
 def engine_env() -> None:
     # What scripts/env.sh sets for the README's commands; tests may run without it.
-    from vllm_dspine.plugin.cpu_env import set_cpu_defaults
+    from vllm_dspine.cpu_env import set_cpu_defaults
 
     set_cpu_defaults()
 

@@ -5,7 +5,7 @@ Each must end in a ValueError that names the change and the fix, never in a hang
 never in an engine serving weights other than the validated ones.
 
 The front end records a fingerprint of the folder when it validates it
-(`plugin/validation.py`, `model/checkpoint.folder_fingerprint`: parsed config, every
+(`proposer/validation.py`, `model/checkpoint.folder_fingerprint`: parsed config, every
 safetensors file's size and mtime, every tensor's dtype and shape); the worker compares
 the folder with it when it builds the draft model (before vLLM's loader lists the
 files) and compares the tensors it read, and the files, once loading is done
@@ -217,7 +217,7 @@ def _start_expecting(pair, draft, match):
 def _change_after_validation(monkeypatch, draft, change) -> None:
     """The front end's validation wrapped so that `change(draft)` runs right after it
     (between validation and the worker's load)."""
-    import vllm_dspine.plugin.validation as validation
+    import vllm_dspine.proposer.validation as validation
 
     validate = validation.validate_dspine_speculative_config
 

@@ -94,7 +94,7 @@ def test_hybrid_target_verifies_all_drafts():
     every setting (tests/test_hybrid_pair.py)."""
     from vllm_dspine.config import DSpineConfig
     from vllm_dspine.pairs.tiny import draft_config
-    from vllm_dspine.plugin.validation import check_verification_options
+    from vllm_dspine.proposer.validation import check_verification_options
 
     cfg = draft_config((1, 3, 4), None)
     assert isinstance(cfg, DSpineConfig)

@@ -444,7 +444,7 @@ def test_other_hybrid_mixers_refused():
     """Recurrent mixers other than Qwen3.5 / Qwen3-Next GDN are refused with a message."""
     import types
 
-    from vllm_dspine.plugin.validation import check_hybrid_target
+    from vllm_dspine.proposer.validation import check_hybrid_target
 
     for arch in ("FalconH1ForCausalLM", "KimiLinearForCausalLM", "Lfm2ForCausalLM"):
         target = types.SimpleNamespace(is_hybrid=True, has_inner_state=True,
@@ -745,7 +745,7 @@ def test_gdn_hybrid_takes_shortened_verification():
     its default, and dspine_verify_max / a batch-size schedule are accepted."""
     from types import SimpleNamespace
 
-    from vllm_dspine.plugin.validation import check_verification_options
+    from vllm_dspine.proposer.validation import check_verification_options
     from vllm_dspine.pairs.hybrid import draft_config
 
     cfg = draft_config()

@@ -1,4 +1,4 @@
-"""The engine step profile bench/e2e.py reads (vllm_dspine/plugin/step_profile.py and
+"""The engine step profile bench/e2e.py reads (vllm_dspine/step_profile.py and
 patch 10 in plugin/patches.py): nothing is wrapped without VLLM_DSPINE_STEP_PROFILE; with
 it, the runner's methods and the scheduler's abort path are wrapped, sections add up and
 the file is rewritten whole."""
@@ -53,7 +53,7 @@ def test_runner_and_scheduler_are_wrapped_with_the_variable(tmp_path):
 
 
 def test_profile_sections_and_file(tmp_path, monkeypatch):
-    from vllm_dspine.plugin import step_profile
+    from vllm_dspine import step_profile
 
     path = tmp_path / "prof.json"
     monkeypatch.setenv(step_profile.ENV, str(path))

@@ -66,7 +66,7 @@ def replay_active(vllm_config) -> bool:
     hybrid target, and hybrid targets on CUDA, at start)."""
     from vllm.platforms import current_platform
 
-    from vllm_dspine.plugin.hf_config import is_dspine_draft
+    from vllm_dspine.hf_config import is_dspine_draft
 
     if vllm_config is None or not is_dspine_draft(vllm_config.speculative_config):
         return False

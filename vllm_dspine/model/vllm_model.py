@@ -25,7 +25,7 @@ from vllm.model_executor.models.qwen3_dflash import (
     DFlashQwen3Model,
 )
 
-from vllm_dspine.plugin.hf_config import dspine_config_of
+from vllm_dspine.hf_config import dspine_config_of
 from vllm_dspine.kernels.bridge_ref import BridgeWeights
 
 
@@ -134,7 +134,7 @@ class DSpineDraftForCausalLM(DFlashQwen3ForCausalLM):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        # Recorded by the front end's validation (plugin/validation.py); None for a draft
+        # Recorded by the front end's validation (proposer/validation.py); None for a draft
         # that is not a local folder. Checked here, before vLLM's loader lists the files.
         self._dspine_folder = getattr(self.config, "dspine_folder", None)
         if self._dspine_folder is not None:

@@ -13,7 +13,7 @@ def register() -> None:
         return
     from vllm import ModelRegistry
 
-    from vllm_dspine.plugin.hf_config import register_hf_config
+    from vllm_dspine.hf_config import register_hf_config
     from vllm_dspine.plugin.patches import apply_patches
 
     apply_patches()

@@ -82,7 +82,7 @@ Patches:
 10. Only with `VLLM_DSPINE_STEP_PROFILE` set (bench/e2e.py): timers around
    `GPUModelRunner.execute_model`, `sample_tokens`, `_model_forward`, `_sample`,
    `propose_draft_token_ids` and `Scheduler.finish_requests` (aborts), written by
-   `plugin/step_profile.py`. Behaviour is unchanged; without the variable nothing is
+   `step_profile.py`. Behaviour is unchanged; without the variable nothing is
    wrapped.
 
 Also here, no patch: with DSpine verifying fewer drafts than it drafts (`dspine_verify`
@@ -234,7 +234,7 @@ def _patch_create_speculative_config() -> None:
             config = original(self, target_model_config, target_parallel_config)
         finally:
             self.speculative_config = spec
-        from vllm_dspine.plugin.validation import (
+        from vllm_dspine.proposer.validation import (
             shortens_verification,
             validate_dspine_speculative_config,
         )
@@ -276,7 +276,7 @@ def _patch_dflash_proposer_factory() -> None:
         # Building one gives DSpineProposer for a DSpine draft, DFlashProposer else;
         # the runner's isinstance checks against this name accept either.
         def __call__(cls, vllm_config, device, runner=None):
-            from vllm_dspine.plugin.hf_config import is_dspine_draft
+            from vllm_dspine.hf_config import is_dspine_draft
             from vllm_dspine.proposer.dspine_proposer import DSpineProposer
 
             if is_dspine_draft(vllm_config.speculative_config):
@@ -350,7 +350,7 @@ def _patch_sampling_params_spec_validation() -> None:
 
     @functools.wraps(original)
     def _validate_spec_decode(self, speculative_config):
-        from vllm_dspine.plugin.hf_config import is_dspine_draft
+        from vllm_dspine.hf_config import is_dspine_draft
 
         if is_dspine_draft(speculative_config):
             return  # min_p and logit_bias are applied exactly by DSpine's verifier
@@ -465,7 +465,7 @@ def _dspine_spec_decoding_prom():
                      is_diffusion: bool = False):
             super().__init__(speculative_config, labelnames, per_engine_labelvalues,
                              is_diffusion=is_diffusion)
-            from vllm_dspine.plugin.hf_config import is_dspine_draft
+            from vllm_dspine.hf_config import is_dspine_draft
 
             self.histogram_dspine_verified = None
             if is_diffusion or not is_dspine_draft(speculative_config):
@@ -576,7 +576,7 @@ def _patch_build_logitsprocs() -> None:
     @functools.wraps(original)
     def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model,
                           custom_logitsprocs=()):
-        from vllm_dspine.plugin.hf_config import is_dspine_draft
+        from vllm_dspine.hf_config import is_dspine_draft
 
         if (not is_pooling_model and not custom_logitsprocs
                 and is_dspine_draft(vllm_config.speculative_config)):
@@ -902,7 +902,7 @@ def _patch_gdn_commit() -> None:
             raise RuntimeError("vllm-dspine: the GDN replay commit knows mamba cache modes "
                                f"'none' and 'align', got {self.cache_config.mamba_cache_mode!r}")
         from vllm_dspine.commit.runner import commit_step
-        from vllm_dspine.plugin.step_profile import timed
+        from vllm_dspine.step_profile import timed
 
         with timed("commit"):  # the replay (bench/hybrid_commit.py reads it)
             commit_step(self, output_token_ids)
@@ -1015,11 +1015,11 @@ def _patch_cpu_hybrid_block_size_kept() -> None:
 
 def _patch_step_profile() -> None:
     """Only with `VLLM_DSPINE_STEP_PROFILE` set (bench/e2e.py): wall-time sections of
-    the engine step (`plugin/step_profile.py`) around `GPUModelRunner.execute_model`,
+    the engine step (`step_profile.py`) around `GPUModelRunner.execute_model`,
     `sample_tokens`, `_model_forward`, `_sample`, `propose_draft_token_ids`, and the
     moment `Scheduler.finish_requests` has freed an aborted request's KV blocks. Nothing
     is wrapped without the variable."""
-    from vllm_dspine.plugin.step_profile import profile
+    from vllm_dspine.step_profile import profile
 
     prof = profile()
     if prof is None:

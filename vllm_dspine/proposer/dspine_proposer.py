@@ -37,8 +37,8 @@ from vllm.logger import init_logger
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_dspine.plugin.hf_config import dspine_config_of
-from vllm_dspine.plugin.step_profile import profile, timed
+from vllm_dspine.hf_config import dspine_config_of
+from vllm_dspine.step_profile import profile, timed
 from vllm_dspine.kernels.cpu_gemm import FixedWeightMatmul
 from vllm_dspine.kernels.retrieval import retrieve_candidates
 from vllm_dspine.kernels.retrieval_ref import FP8Head
@@ -129,7 +129,7 @@ class DSpineProposer(DFlashProposer):
     # ---------------------------------------------------------------- loading
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
-        from vllm_dspine.plugin.validation import check_loaded_pair
+        from vllm_dspine.proposer.validation import check_loaded_pair
 
         head = check_loaded_pair(self.dspine, target_model, self.model)
         self._head_weight = head  # [V, H], the target's own (shared, never copied)

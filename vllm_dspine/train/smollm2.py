@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from vllm_dspine.pairs.smollm2 import convert_gguf_to_hf, fetch_gguf
-    from vllm_dspine.plugin.cpu_env import set_cpu_defaults
+    from vllm_dspine.cpu_env import set_cpu_defaults
     from vllm_dspine.train.loop import DistillData, DistillSettings, distill
     from vllm_dspine.train.target_data import features_of_sequences, load_target
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from vllm_dspine.config import DSpineConfig
-from vllm_dspine.plugin.hf_config import dspine_config_of
+from vllm_dspine.hf_config import dspine_config_of
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
