@@ -45,7 +45,8 @@ class BlockOutput:
 
 
 class NaiveDrafter:
-    """Weights by checkpoint name (DESIGN section 2) plus the target's embedding/head."""
+    """Weights by checkpoint name (docs/design.md section 2) plus the target's
+    embedding/head."""
 
     def __init__(self, cfg: DSpineConfig, tensors: dict[str, torch.Tensor],
                  embed_tokens: torch.Tensor, lm_head: torch.Tensor):

@@ -1,8 +1,9 @@
-"""The bridge reference (`bridge_ref.py`) against DESIGN section 1.3, and its layout rules.
+"""The bridge reference (`bridge_ref.py`) against docs/design.md section 1.3, and its
+layout rules.
 
-The float64 oracle below is transcribed from the DESIGN text, one block and one row at a
-time, without reading `bridge_ref.py`: if both were written from the same misreading the
-test could not see it, so keep it independent.
+The float64 oracle below is transcribed from the text of docs/design.md, one block and one
+row at a time, without reading `bridge_ref.py`: if both were written from the same
+misreading the test could not see it, so keep it independent.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def make_rows(block_sizes: list[int], H: int, V: int, dtype: torch.dtype, seed: 
 
 
 def design_bridge_f64(x, layer, w: BridgeWeights, token_ids, is_anchor):
-    """DESIGN 1.3 in float64, block by block, row by row. Returns (x', codes, rms)."""
+    """docs/design.md section 1.3 in float64, block by block, row by row.
+    Returns (x', codes, rms)."""
     x = x.double()
     R, E = w.read[layer].double(), w.codebook.double()
     G, Gp, A = w.gate_recv.double(), w.gate_pred.double(), w.value.double()

@@ -1,4 +1,5 @@
-"""Draft checkpoint format (DESIGN section 2): table, loader refusals, writer round trip."""
+"""Draft checkpoint format (docs/design.md section 2): table, loader refusals, writer round
+trip."""
 
 import copy
 import json

@@ -1,5 +1,5 @@
 """Settings DSpine does not support are refused at start, in the front end, with a
-message naming the setting and the fix (DESIGN section 3). No engine is started: vLLM
+message naming the setting and the fix (docs/design.md section 3). No engine is started: vLLM
 builds its configs in `EngineArgs.create_engine_config`, where our checks run."""
 
 from __future__ import annotations

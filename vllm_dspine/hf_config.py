@@ -27,7 +27,7 @@ class DSpineHFConfig(Qwen3Config):
             "causal": True,
         }
         # Qwen3Config drops `sliding_window` unless use_sliding_window is set; every
-        # DSpine layer uses the same window (DESIGN section 2), or none.
+        # DSpine layer uses the same window (docs/design.md section 2), or none.
         if "num_hidden_layers" in kwargs and "layer_types" not in kwargs:
             window = kwargs.get("sliding_window")
             kwargs["use_sliding_window"] = window is not None
@@ -50,7 +50,7 @@ def dspine_config_of(hf_config) -> DSpineConfig:
     ds = getattr(hf_config, "dspine_config", None)
     if not isinstance(ds, dict):
         raise ValueError("draft config.json has no 'dspine_config' object; this is not a "
-                         "DSpine checkpoint (DESIGN section 2)")
+                         "DSpine checkpoint (docs/design.md section 2)")
     d = {k: getattr(hf_config, k, None) for k in _TOP_LEVEL_FIELDS}
     rope_theta = getattr(hf_config, "rope_theta", None)
     if rope_theta is None:

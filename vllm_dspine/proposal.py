@@ -1,4 +1,4 @@
-"""The sparse proposal the drafter hands to verification (DESIGN section 1.5-1.6).
+"""The sparse proposal the drafter hands to verification (docs/design.md section 1.5-1.6).
 
     R = num_reqs, K = drafts per request (block_size - 1), k = head_topk (16).
 

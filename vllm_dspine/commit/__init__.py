@@ -1,4 +1,4 @@
-"""Commit: what becomes history after verification (DESIGN section 1.7).
+"""Commit: what becomes history after verification (docs/design.md section 1.7).
 
 For dense targets vLLM itself commits the accepted prefix: the target KV of rejected
 positions is overwritten by later steps, and the draft context K/V is written only for

@@ -1,4 +1,4 @@
-"""Triton kernels of the code bridge (DESIGN section 1.3), beside `bridge_ref.py`.
+"""Triton kernels of the code bridge (docs/design.md section 1.3), beside `bridge_ref.py`.
 
     H hidden size, C code width, M message width, V vocabulary size,
     N rows: the blocks of all requests of a step, flattened (see `bridge_ref.py`).

@@ -1,4 +1,4 @@
-"""Plain PyTorch reference of the code bridge (DESIGN section 1.3).
+"""Plain PyTorch reference of the code bridge (docs/design.md section 1.3).
 
 This is the one source of truth for the bridge formulas: the CPU path, the oracle the
 Triton kernels in `bridge.py` are tested against, and what the serial tail reuses.
@@ -21,7 +21,7 @@ import torch
 
 @dataclass
 class BridgeWeights:
-    """The bridge tensors of one drafter (DESIGN section 2, `bridge.*`)."""
+    """The bridge tensors of one drafter (docs/design.md section 2, `bridge.*`)."""
 
     codebook: torch.Tensor  # [V, C]  E
     read: list[torch.Tensor]  # L x [C, H]  R_l

@@ -26,7 +26,7 @@ from vllm_dspine.verify.sparse_rejection_ref import (
 
 @dataclass
 class SparseDraftProbs:
-    """The distribution each draft token was drawn from, kept sparse (DESIGN 1.5).
+    """The distribution each draft token was drawn from, kept sparse (docs/design.md 1.5).
 
     Row i belongs to draft token i of vLLM's flattened batch. The ids of a row are
     distinct; -1 pads a row with fewer candidates (its probability is 0); the

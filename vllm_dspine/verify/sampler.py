@@ -1,4 +1,4 @@
-"""vLLM's rejection sampler with a sparse draft distribution (DESIGN 1.6).
+"""vLLM's rejection sampler with a sparse draft distribution (docs/design.md section 1.6).
 
 `SparseRejectionSampler` subclasses vLLM 0.32.0's `RejectionSampler` because that
 class is the interface the model runner calls; only `forward` is replaced. It does
@@ -9,7 +9,7 @@ logprobs through the inherited `_get_logprobs_tensors`), with three differences:
   * the draft distribution is the sparse q (`draft_cand_ids`, `draft_cand_probs`);
   * per-request sampling values are expanded to draft rows with
     `torch.repeat_interleave`, never with vLLM's `expand_batch_to_tokens` (its CPU
-    override returns uninitialised memory for floats, FINDINGS.md);
+    override returns uninitialised memory for floats, docs/measured.md);
   * the draft rows get the processing vLLM's own sampler gives a normal step and
     vLLM's rejection sampler leaves out: logit bias (before penalties, as in
     `Sampler.apply_logits_processors`) and min-p (after temperature, before

@@ -1,4 +1,4 @@
-"""Triton kernels of exact speculative sampling with a sparse draft q (DESIGN 1.6).
+"""Triton kernels of exact speculative sampling with a sparse draft q (docs/design.md 1.6).
 
 Three kernels, one program per request, run in order:
   1. `sparse_rejection_greedy_sample_kernel`: greedy requests (draft == target argmax).

@@ -1,7 +1,7 @@
 """Plain PyTorch reference of exact speculative sampling with a sparse draft q.
 
 This is the CPU path and the oracle of the Triton kernels in `sparse_rejection.py`
-(DESIGN section 1.6). It works in vLLM 0.32.0's flattened layout: the draft tokens of
+(docs/design.md section 1.6). It works in vLLM 0.32.0's flattened layout: the draft tokens of
 all requests are concatenated into `num_tokens` rows, request `r` owning rows
 `cu_num_draft_tokens[r-1] .. cu_num_draft_tokens[r]-1` (inclusive cumsum, as vLLM's
 `SpecDecodeMetadata`). The result is vLLM's `[num_reqs, max_spec_len + 1]` int32 layout:
