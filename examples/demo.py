@@ -59,26 +59,20 @@ def run(llm, prompts, params, chat: bool):
     return outs, tokens / elapsed
 
 
-def spec_counters(llm) -> dict:
-    out = {}
-    for m in llm.get_metrics():
-        if m.name.startswith("vllm:spec_decode"):
-            out[m.name] = getattr(m, "values", None) or getattr(m, "value", None)
-    return out
+def report(title: str, counters: dict) -> None:
+    """vLLM's spec-decode counters of one engine since its start
+    (`vllm_dspine.serving.metrics`)."""
+    from vllm_dspine.serving.metrics import NUM_DRAFTS, acceptance
 
-
-def report(title: str, c: dict) -> None:
-    drafts = c.get("vllm:spec_decode_num_drafts", 0)
-    acc = c.get("vllm:spec_decode_num_accepted_tokens", 0)
-    per_pos = c.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []
+    tau, per_pos = acceptance({}, counters)
     print(f"\n=== {title} ===")
-    if not drafts:
+    if tau is None:
         print("no drafts")
         return
-    print(f"verification steps: {drafts}, mean acceptance length "
-          f"(tokens per step, incl. the target's own): {1 + acc / drafts:.2f}")
+    print(f"verification steps: {counters[NUM_DRAFTS]}, mean acceptance length "
+          f"(tokens per step, incl. the target's own): {tau:.2f}")
     print("acceptance rate per draft position: " + " ".join(
-        f"{i + 1}:{n / drafts:.2f}" for i, n in enumerate(per_pos)))
+        f"{i + 1}:{rate:.2f}" for i, rate in enumerate(per_pos)))
 
 
 def main() -> None:
@@ -91,6 +85,8 @@ def main() -> None:
     _env()
 
     from vllm import LLM, SamplingParams
+
+    from vllm_dspine.serving.metrics import spec_decode_counters
 
     target, draft = write_pair(args.pair, args.out or os.path.join("artifacts", args.pair))
     if args.pair == "smollm2":
@@ -114,7 +110,7 @@ def main() -> None:
         print(f"starting vLLM: {name} ...", flush=True)
         llm = LLM(target, speculative_config=spec, **common)
         outs, tps = run(llm, prompts, greedy, chat=args.pair == "smollm2")
-        results[name] = (outs, tps, spec_counters(llm))
+        results[name] = (outs, tps, spec_decode_counters(llm))
         del llm
 
     plain_outs = results["plain"][0]

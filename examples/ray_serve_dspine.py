@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 import urllib.error
@@ -74,12 +73,6 @@ def _write_pair(name: str, out: str) -> tuple[str, str]:
     return os.path.join(out, "target"), os.path.join(out, "draft")
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _request(url: str, body: dict | None = None, timeout: float = 600):
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data,
@@ -88,16 +81,9 @@ def _request(url: str, body: dict | None = None, timeout: float = 600):
         return r.read().decode(), r.headers.get(REPLICA_HEADER, "")
 
 
-def _spec_counters(page: str) -> dict:
-    out: dict[str, float] = {}
-    for line in page.splitlines():
-        name = line.split("{")[0].split(" ")[0]
-        if name.startswith("vllm:spec_decode_num_") and name.endswith("_total"):
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
 def _smoke(base: str, model: str, replicas: int) -> int:
+    from vllm_dspine.serving.metrics import spec_decode_counters_of_page
+
     chat = {"model": model, "max_tokens": 64, "temperature": 0,
             "messages": [{"role": "user",
                           "content": "Write a Python function that reverses a string."}]}
@@ -117,7 +103,7 @@ def _smoke(base: str, model: str, replicas: int) -> int:
     deadline = time.time() + 60
     while len(pages) < replicas and time.time() < deadline:
         page, replica = _request(base + "/metrics", timeout=30)
-        pages[replica] = _spec_counters(page)
+        pages[replica] = spec_decode_counters_of_page(page)
     for replica, counters in sorted(pages.items()):
         print(f"replica {replica}: " + json.dumps(counters))
     return 0
@@ -144,12 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
+    from vllm_dspine.serving.openai_server import free_port
     from vllm_dspine.serving.ray_serve import build_app
 
     app = build_app(target, draft, num_replicas=args.replicas, serve_args=serve_args,
                     ray_actor_options={"num_gpus": gpus} if gpus else {})
     local = args.address == "local"
-    port = args.port or _free_port(args.host)
+    port = args.port or free_port(args.host)
     ray.init(address=args.address, num_cpus=args.num_cpus if local else None,
              include_dashboard=False if local else None)
     try:

@@ -1,4 +1,8 @@
-"""Shared helpers for tests that start vLLM engines (slow: ~25 s each on 2 cores)."""
+"""Shared helpers for tests that start vLLM engines (slow: ~25 s each on 2 cores).
+
+`vllm serve` subprocesses: `vllm_dspine.serving.openai_server.VllmServer`; vLLM's
+spec-decode counters and /metrics pages: `vllm_dspine.serving.metrics` (the same code the
+benchmarks and examples use)."""
 
 from __future__ import annotations
 
@@ -32,15 +36,6 @@ def make_llm(target_dir: str, spec: dict | None = None, **kwargs):
     return LLM(str(target_dir), speculative_config=spec, **args)
 
 
-def spec_metrics(llm) -> dict:
-    """vLLM's own spec-decode counters: name -> value (per-position ones as lists)."""
-    out = {}
-    for m in llm.get_metrics():
-        if m.name.startswith("vllm:spec_decode"):
-            out[m.name] = getattr(m, "values", None) or getattr(m, "value", None)
-    return out
-
-
 def prompts_of_lengths(n: int, longest: int = 400) -> list[str]:
     """n prompts of 3..longest characters (one token per character), many sharing
     prefixes (so the prefix cache is hit)."""
@@ -48,17 +43,6 @@ def prompts_of_lengths(n: int, longest: int = 400) -> list[str]:
             "jackdaws quickly and the sphinx of black quartz judges my vow ") * 8
     return [base[(7 * i) % 40: (7 * i) % 40 + 3 + (97 * i) % (longest - 3)]
             for i in range(n)]
-
-
-HOST = "127.0.0.1"  # servers in tests listen on loopback only
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def sse_payloads(response):
@@ -75,101 +59,16 @@ def sse_payloads(response):
     raise AssertionError("stream ended without 'data: [DONE]'")
 
 
-class VllmServer:
-    """`vllm serve TARGET --host 127.0.0.1 --port P ARGS...`, its output in `log_path`.
-
-    `start` returns at once (the engine comes up in the background); `wait_up` waits,
-    bounded, for /health; `stop` ends the process (terminate, then kill), bounded."""
-
-    def __init__(self, target: str, args: list[str], log_path) -> None:
-        import subprocess
-        import sys
-        import os
-        import shutil
-
-        engine_env()
-        self.port = free_port()
-        self.base = f"http://{HOST}:{self.port}"
-        self.log_path = str(log_path)
-        vllm_bin = shutil.which("vllm", path=os.path.dirname(sys.executable)) or "vllm"
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                [vllm_bin, "serve", str(target), "--host", HOST, "--port", str(self.port),
-                 *args], stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-
-    def log_tail(self, n: int = 3000) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()[-n:]
-
-    def is_up(self) -> bool:
-        """True once /health answers 200; raises if the process has exited."""
-        import httpx
-
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited ({self.proc.returncode}): "
-                               f"{self.log_tail()}")
-        try:
-            return httpx.get(self.base + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def wait_up(self, timeout: float = 400) -> "VllmServer":
-        import time
-
-        deadline = time.time() + timeout
-        while not self.is_up():
-            if time.time() > deadline:
-                raise RuntimeError(f"vllm serve not up in {timeout:.0f} s: {self.log_tail()}")
-            time.sleep(1)
-        return self
-
-    def stop(self) -> None:
-        import subprocess
-
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-
-
-def prometheus_samples(text: str, name: str) -> list[tuple[str, float]]:
-    """(labels, value) of every sample of metric `name` in a Prometheus text page."""
-    import re
-
-    return [(m.group(1) or "", float(m.group(2))) for m in re.finditer(
-        rf"^{re.escape(name)}(?:{{([^}}]*)}})? ([0-9.eE+-]+|NaN|[+-]Inf)$", text, re.M)]
-
-
-def metric_page(text: str) -> dict:
-    """Sum of every sample of each metric (labels dropped) in a Prometheus text page;
-    histogram buckets also by bound, as `NAME_bucket|le=BOUND`."""
-    import re
-
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name = line.split("{")[0].split(" ")[0]
-            value = float(line.rsplit(" ", 1)[1])
-            out[name] = out.get(name, 0.0) + value
-            le = re.search(r'le="([^"]+)"', line)
-            if name.endswith("_bucket") and le:
-                key = f"{name}|le={float(le.group(1)):g}"
-                out[key] = out.get(key, 0.0) + value
-    return out
-
-
 VERIFIED_DRAFTS = "vllm:dspine_verified_drafts"  # plugin/patches.py, patch 7
 
 
 def check_counters_account_for(before: dict, after: dict, tokens: list[int],
                                where: str = "") -> dict:
-    """One engine's /metrics (metric_page) before and after it answered requests whose
-    completion_tokens are `tokens` (greedy, ignore_eos, no stop: each ran to
-    max_tokens), with no other traffic in between. The counters must account for
-    exactly those answers, recomputed from the responses:
+    """One engine's /metrics (`vllm_dspine.serving.metrics.metric_page`) before and
+    after it answered requests whose completion_tokens are `tokens` (greedy,
+    ignore_eos, no stop: each ran to max_tokens), with no other traffic in between.
+    The counters must account for exactly those answers, recomputed from the
+    responses:
 
     - request_success and generation_tokens grew by len(tokens) and sum(tokens);
     - each generated token is the request's first token, the one token each decode

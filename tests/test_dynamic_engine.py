@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from engine_utils import (assert_candidates_match_reference, dspine_spec, make_llm,
-                          prompts_of_lengths, spec_metrics)
+                          prompts_of_lengths)
+from vllm_dspine.serving.metrics import spec_decode_counters
 
 pytestmark = pytest.mark.engine
 
@@ -154,10 +155,10 @@ def test_sampled_distribution_matches_plain_with_the_policy(plain_llm, dyn_llm):
     from vllm import SamplingParams
 
     n, prompt = 4000, "abcdefg"
-    before_m, before_h = spec_metrics(dyn_llm), verified_hist(dyn_llm)
+    before_m, before_h = spec_decode_counters(dyn_llm), verified_hist(dyn_llm)
     spec = [list(o.outputs[0].token_ids) for o in dyn_llm.generate(
         [prompt] * n, SamplingParams(temperature=0.5, max_tokens=6, ignore_eos=True))]
-    after_m, hist = spec_metrics(dyn_llm), _delta(verified_hist(dyn_llm), before_h)
+    after_m, hist = spec_decode_counters(dyn_llm), _delta(verified_hist(dyn_llm), before_h)
     plain = [list(o.outputs[0].token_ids) for o in plain_llm.generate(
         [prompt] * n, [SamplingParams(temperature=0.5, max_tokens=6, seed=50_000 + i,
                                       ignore_eos=True) for i in range(n)])]
@@ -204,7 +205,7 @@ def _check_drafts_against_reference(pair, dump_dir, seqs, vocab=None) -> int:
     from test_vllm_e2e import _target_features
 
     from vllm_dspine.kernels.retrieval import retrieve_candidates
-    from vllm_dspine.kernels.tail import refine_last_write
+    from vllm_dspine.kernels.tail import LastWriteInputs, TailWeights, refine_last_write
     from vllm_dspine.model.checkpoint import bridge_weights, load_draft_checkpoint
     from vllm_dspine.model.drafter import block_forward
 
@@ -240,10 +241,12 @@ def _check_drafts_against_reference(pair, dump_dir, seqs, vocab=None) -> int:
                                               step["cand_ids"][r], f"{req_id} anchor {p}")
             cand = torch.cat([step["cand_ids"][r], cand[K:]])  # [B - 1, k] the engine's first K
             proposal = refine_last_write(
-                out.pre_write_state[0], out.last_codes[0], out.last_rms[0],
+                LastWriteInputs(out.pre_write_state[0], out.last_codes[0],
+                                out.last_rms[0], torch.tensor([seq[p]])),
                 cand[None],
-                torch.tensor([seq[p]]), bridge_weights(cfg, tensors), tensors["norm.weight"],
-                cfg.rms_norm_eps, head, torch.zeros(1))
+                TailWeights(bridge_weights(cfg, tensors), tensors["norm.weight"],
+                            cfg.rms_norm_eps, head),
+                torch.zeros(1))
             assert torch.equal(proposal.draft_token_ids[0, :K], step["draft_token_ids"][r])
             checked += 1
             rows_seen.append(K)

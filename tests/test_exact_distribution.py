@@ -50,7 +50,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from engine_utils import dspine_spec, make_llm, spec_metrics
+from engine_utils import dspine_spec, make_llm
+from vllm_dspine.serving.metrics import spec_decode_counters
 
 pytestmark = pytest.mark.engine
 
@@ -302,7 +303,7 @@ def samples(pair):
     outs = llm.generate([prompts[i % n_cases] for i in range(SAMPLES * n_cases)],
                         [params[i % n_cases] for i in range(SAMPLES * n_cases)],
                         use_tqdm=False)
-    m = spec_metrics(llm)
+    m = spec_decode_counters(llm)
     print(f"{SAMPLES * n_cases} samples: {time.perf_counter() - t0:.1f} s; spec-decode "
           f"counters {m}")
     tokens = torch.tensor([list(o.outputs[0].token_ids) for o in outs])  # [n, 3]

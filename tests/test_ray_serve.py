@@ -28,9 +28,10 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from engine_utils import (HOST, VllmServer, check_counters_account_for,  # noqa: E402
-                          dspine_spec, engine_env, free_port, metric_page,
-                          sse_payloads)
+from engine_utils import (check_counters_account_for, dspine_spec,  # noqa: E402
+                          engine_env, sse_payloads)
+from vllm_dspine.serving.metrics import metric_page  # noqa: E402
+from vllm_dspine.serving.openai_server import HOST, VllmServer, free_port  # noqa: E402
 
 pytestmark = [pytest.mark.engine]
 

@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from engine_utils import (VllmServer, check_counters_account_for, dspine_spec,
-                          engine_env, metric_page, prometheus_samples, sse_payloads)
+from engine_utils import check_counters_account_for, dspine_spec, engine_env, sse_payloads
+from vllm_dspine.serving.metrics import metric_page, prometheus_samples
+from vllm_dspine.serving.openai_server import VllmServer
 
 pytestmark = pytest.mark.engine
-
 
 
 SERVE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
@@ -25,7 +25,7 @@ SERVE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_trained_pair):
-    """One `vllm serve` for the module (engine_utils.VllmServer)."""
+    """One `vllm serve` for the module (vllm_dspine.serving.openai_server)."""
     engine_env()
     # The distilled drafter: drafts get accepted, so the counter checks see accepted
     # tokens.

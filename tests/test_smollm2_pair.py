@@ -65,7 +65,8 @@ def test_pair_fits_and_is_reused(pair, capsys):
 
 @pytest.mark.engine
 def test_dspine_on_smollm2_is_exact_and_accepts(pair):
-    from engine_utils import dspine_spec, make_llm, spec_metrics
+    from engine_utils import dspine_spec, make_llm
+    from vllm_dspine.serving.metrics import spec_decode_counters
     from vllm import SamplingParams
 
     msgs = [[{"role": "user", "content": p}] for p in CODE_PROMPTS]
@@ -76,7 +77,7 @@ def test_dspine_on_smollm2_is_exact_and_accepts(pair):
     del plain
     llm = make_llm(str(pair / "target"), dspine_spec(str(pair / "draft")), **kw)
     got = [list(o.outputs[0].token_ids) for o in llm.chat(msgs, params, use_tqdm=False)]
-    m = spec_metrics(llm)
+    m = spec_decode_counters(llm)
     del llm
     assert got == want
     drafts = m["vllm:spec_decode_num_drafts"]

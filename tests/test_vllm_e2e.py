@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from engine_utils import (assert_candidates_match_reference, dspine_spec, make_llm,
-                          prompts_of_lengths, spec_metrics)
+                          prompts_of_lengths)
+from vllm_dspine.serving.metrics import spec_decode_counters
 
 pytestmark = pytest.mark.engine
 
@@ -106,9 +107,9 @@ def test_spec_decode_counters_match_the_drafts(plain_llm, spec_llm, dump_dir):
     prompt, n = "abcdefgh", 64
     greedy = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     _clear(dump_dir)
-    before = spec_metrics(spec_llm)
+    before = spec_decode_counters(spec_llm)
     out = spec_llm.generate([prompt], greedy)[0]
-    after = spec_metrics(spec_llm)
+    after = spec_decode_counters(spec_llm)
     longer = SamplingParams(temperature=0.0, max_tokens=n + 16, ignore_eos=True)
     truth = plain_llm.generate([prompt], longer)[0]
     seq = list(truth.prompt_token_ids) + list(truth.outputs[0].token_ids)
@@ -256,7 +257,8 @@ def test_sampled_proposal_matches_reference(pair, target, mixed_run):
     at the reference argmax. This covers the per-request slicing of the sampling
     parameters, the generators and the batch order (request ids of the dump)."""
     from vllm_dspine.kernels.retrieval import retrieve_candidates
-    from vllm_dspine.kernels.tail import filter_candidate_probs, tail_score_tables
+    from vllm_dspine.kernels.tail import (LastWriteInputs, TailWeights,
+                                          filter_candidate_probs, tail_score_tables)
     from vllm_dspine.model.checkpoint import bridge_weights, load_draft_checkpoint
     from vllm_dspine.model.drafter import block_forward
 
@@ -299,10 +301,11 @@ def test_sampled_proposal_matches_reference(pair, target, mixed_run):
         for b, (_, _, p) in enumerate(todo):
             checked["near_ties"] += assert_candidates_match_reference(
                 final[b, 1:], head, ref_cand[b], cand[b], f"{req_id} anchor {p}")
-        S = tail_score_tables(out.pre_write_state[0], out.last_codes[0], out.last_rms[0],
-                              cand, torch.tensor([seq[p] for _, _, p in todo]), bridge,
-                              tensors["norm.weight"], cfg.rms_norm_eps, head, None,
-                              torch.float64)  # [nb, K, k, k]
+        S = tail_score_tables(
+            LastWriteInputs(out.pre_write_state[0], out.last_codes[0], out.last_rms[0],
+                            torch.tensor([seq[p] for _, _, p in todo])),
+            cand, TailWeights(bridge, tensors["norm.weight"], cfg.rms_norm_eps, head),
+            None, torch.float64)  # [nb, K, k, k]
         for b, (step, r, p) in enumerate(todo):
             drafts = step["draft_token_ids"][r].view(-1).tolist()
             got = step["cand_probs"][r].double()  # [K, k]
@@ -358,7 +361,7 @@ def _check_against_reference(pair, llm, dump_dir, prompts, max_tokens) -> int:
 
     from vllm_dspine.model.checkpoint import load_draft_checkpoint
     from vllm_dspine.kernels.retrieval import retrieve_candidates
-    from vllm_dspine.kernels.tail import refine_last_write
+    from vllm_dspine.kernels.tail import LastWriteInputs, TailWeights, refine_last_write
     from vllm_dspine.model.checkpoint import bridge_weights
     from vllm_dspine.model.drafter import block_forward
 
@@ -402,9 +405,12 @@ def _check_against_reference(pair, llm, dump_dir, prompts, max_tokens) -> int:
                                               step["cand_ids"][r], f"{req_id} anchor {p}")
             cand = torch.cat([step["cand_ids"][r], cand[K:]])  # [B - 1, k] the engine's first K
             proposal = refine_last_write(
-                out.pre_write_state[0], out.last_codes[0], out.last_rms[0],
-                cand[None], torch.tensor([seq[p]]), bridge_weights(cfg, tensors),
-                tensors["norm.weight"], cfg.rms_norm_eps, head, torch.zeros(1))
+                LastWriteInputs(out.pre_write_state[0], out.last_codes[0],
+                                out.last_rms[0], torch.tensor([seq[p]])),
+                cand[None],
+                TailWeights(bridge_weights(cfg, tensors), tensors["norm.weight"],
+                            cfg.rms_norm_eps, head),
+                torch.zeros(1))
             assert torch.equal(proposal.draft_token_ids[0, :K], step["draft_token_ids"][r])
             checked += 1
     return checked
