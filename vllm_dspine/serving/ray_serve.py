@@ -1,4 +1,4 @@
-"""Multi-instance serving through Ray Serve (DESIGN section 3, last bullet): every replica
+"""Multi-instance serving through Ray Serve (docs/design.md section 3, last bullet): every replica
 is one vLLM `AsyncLLM` with `"method": "dspine"` speculation behind vLLM's own
 OpenAI-compatible app, the one `vllm serve` runs. Optional: `pip install
 "vllm-dspine[ray]"` (`ray[serve]==2.60.0`).
