@@ -1,4 +1,4 @@
-"""Ray Serve (DESIGN section 3, optional; docs/ray-serve.md): two replicas, each vLLM's own
+"""Ray Serve (docs/design.md section 3, optional; docs/ray-serve.md): two replicas, each vLLM's own
 OpenAI server around an engine with the DSpine proposer, behind Serve's proxy.
 
 - both replicas answer /v1/completions and /v1/chat/completions (streamed and not), with
