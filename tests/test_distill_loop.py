@@ -19,7 +19,8 @@ from vllm_dspine.model.drafter import _xformers_ops, attention_backend, block_fo
 from vllm_dspine.pairs.tiny import draft_config, write_tiny_pair
 from vllm_dspine.train import loop
 from vllm_dspine.train.loop import (IGNORE, DistillData, DistillSettings, block_labels,
-                                    block_loss, distill, row_weights, sample_batch)
+                                    BlockTargets, block_loss, distill, row_weights,
+                                    sample_batch)
 from vllm_dspine.train.target_data import generate_text, target_features
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -130,8 +131,8 @@ def test_ddp_gradient_is_the_global_gradient(inputs):
     remap[vocab] = torch.arange(len(vocab))
     head_v = head[vocab]
     weights = row_weights(cfg.block_size, SETTINGS.row_decay)
-    ids, feats, anchors, lengths = sample_batch(data, [1, 0, 4, 3], 4, cfg.block_size,
-                                                torch.Generator().manual_seed(5))
+    ids, feats, anchors, lengths, _ = sample_batch(data, [1, 0, 4, 3], 4, cfg.block_size,
+                                                   torch.Generator().manual_seed(5))
     labels = block_labels(ids, anchors, cfg.block_size, lengths)
     labels = torch.where(labels == IGNORE, labels, remap[labels.clamp(min=0)])
     wt = weights * (labels != IGNORE)  # [S, nb, K]
@@ -142,7 +143,7 @@ def test_ddp_gradient_is_the_global_gradient(inputs):
     def grads(sl, total):
         w = {n: t.clone().requires_grad_(True) for n, t in init.items()}
         loss = block_loss(cfg, w, embed, head_v, ids[sl], feats[sl], anchors[sl],
-                          labels[sl], weights, total)
+                          BlockTargets(labels[sl]), weights, total)
         return loss.detach(), torch.autograd.grad(loss, list(w.values()))
 
     loss_one, g_one = grads(slice(None), None)
@@ -206,7 +207,7 @@ def test_sample_batch_anchors_and_cut():
     gen = torch.Generator().manual_seed(0)
     B, seen = 16, [set() for _ in lengths]
     for _ in range(40):
-        ids, feats, anchors, rows = sample_batch(data, [2, 0, 1], 8, B, gen)
+        ids, feats, anchors, rows, _ = sample_batch(data, [2, 0, 1], 8, B, gen)
         for r, i in enumerate([2, 0, 1]):
             T = lengths[i]
             assert first[i] <= int(anchors[r].min()) and int(anchors[r].max()) <= T - 2
@@ -311,8 +312,8 @@ def test_xformers_path_on_cpu_with_a_stand_in(inputs, batch, sliding_window, mon
 @pytest.fixture(scope="module")
 def batch(inputs):
     cfg, init, embed, head, data = inputs
-    ids, feats, anchors, _ = sample_batch(data, [0, 3], 3, cfg.block_size,
-                                          torch.Generator().manual_seed(2))
+    ids, feats, anchors, _, _ = sample_batch(data, [0, 3], 3, cfg.block_size,
+                                             torch.Generator().manual_seed(2))
     return ids, feats, anchors
 
 

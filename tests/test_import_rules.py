@@ -37,13 +37,6 @@ ALLOWED = {
     "pairs": {"shared", "kernels", "model", "train"},
 }
 
-# Edges known to break a rule, each with the test that keeps it visible until it goes.
-# train/smollm2.py imports pairs/smollm2.py (the GGUF download and conversion) while
-# pairs/smollm2.py imports train/smollm2.py (`export_dflash`): a circle between two
-# stages the lead is removing.
-TRAIN_PAIRS_CIRCLE = {("vllm_dspine.train.smollm2", "vllm_dspine.pairs.smollm2")}
-
-
 @dataclass(frozen=True)
 class Edge:
     importer: str
@@ -107,10 +100,6 @@ def import_graph() -> list[Edge]:
     return [e for m, p in modules.items() for e in imports_of(m, p, modules)]
 
 
-def known(edge: Edge, exceptions: set[tuple[str, str]]) -> bool:
-    return (edge.importer, edge.imported) in exceptions
-
-
 def stage_violations(edges: list[Edge]) -> list[Edge]:
     return [e for e in edges
             if stage_of(e.imported) != stage_of(e.importer)
@@ -171,7 +160,7 @@ def test_stage_table_has_no_circle():
 
 
 def test_imports_point_down_the_stages():
-    edges = [e for e in import_graph() if not known(e, TRAIN_PAIRS_CIRCLE)]
+    edges = import_graph()
     bad = stage_violations(edges)
     assert not bad, ("imports against the stage order of docs/architecture.md "
                      "(importer:line -> imported):\n" + format_edges(bad))
@@ -187,7 +176,7 @@ def test_nothing_below_the_plugin_imports_it():
 
 
 def test_no_import_cycles_between_modules():
-    edges = [e for e in import_graph() if not known(e, TRAIN_PAIRS_CIRCLE)]
+    edges = import_graph()
     found = cycles(edges)
     detail = [e for e in edges
               if any(e.importer in c and e.imported in c for c in found)]
@@ -254,8 +243,6 @@ def test_vllm_is_changed_only_by_the_plugin_and_never_on_import():
     assert not bad, "changes to vLLM outside the plugin's patch functions:\n" + "\n".join(bad)
 
 
-@pytest.mark.xfail(strict=True, reason="train/smollm2.py and pairs/smollm2.py import "
-                   "each other; the lead is removing the circle (drop this mark then)")
 def test_train_does_not_import_pairs():
     bad = [e for e in import_graph()
            if stage_of(e.importer) == "train" and stage_of(e.imported) == "pairs"]

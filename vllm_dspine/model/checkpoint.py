@@ -448,3 +448,29 @@ def check_files_unchanged(fingerprint: dict, when: str) -> None:
         raise ValueError(f"{path}: the draft weights changed {when} "
                          f"({_describe_file_changes(fingerprint['files'], files)}); "
                          f"{_AFTER_START}")
+
+
+def save_dflash_checkpoint(path: str, cfg: DSpineConfig,
+                           tensors: dict[str, torch.Tensor]) -> None:
+    """A drafter without its bridge in vLLM's own `dflash` format (a Qwen3 draft config
+    with `dflash_config`; the checkpoint names of docs/design.md section 2 minus
+    `bridge.*`), so that vLLM's built-in method serves the same layers: the no-bridge
+    ablation runs through `"method": "dflash"`."""
+    import json
+
+    from safetensors.torch import save_file as save_torch_file
+
+    os.makedirs(path, exist_ok=True)
+    d = cfg.to_dict()
+    ds = d.pop("dspine_config")
+    d.pop("retrieval_vocab", None)
+    d.update(architectures=["DFlashDraftModel"], model_type="qwen3",
+             tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
+             layer_types=["full_attention"] * cfg.num_hidden_layers,
+             dflash_config={"mask_token_id": ds["mask_token_id"],
+                            "target_layer_ids": ds["target_layer_ids"], "causal": True})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(d, f, indent=2)
+    save_torch_file({k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()
+                     if not k.startswith("bridge.")}, os.path.join(path, "model.safetensors"),
+                    metadata={"format": "pt"})

@@ -23,13 +23,14 @@ packed per-block key sequences (`packed_blocks`), without the dense [S, N, T + N
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from vllm_dspine.config import DSpineConfig
-from vllm_dspine.kernels.bridge_ref import code_bridge_ref
+from vllm_dspine.kernels.bridge_ref import bridge_message_ref, code_bridge_ref
 from vllm_dspine.model.checkpoint import bridge_weights
 
 
@@ -285,3 +286,24 @@ def block_forward(cfg: DSpineConfig, w: dict[str, torch.Tensor],
         logits=final @ lm_head.float().t() if logits else None, final_hidden=final,
         pre_write_state=pre_write.view(S, nb, B, -1),
         last_codes=codes.view(S, nb, B, -1), last_rms=rms.view(S, nb, B))
+
+
+def last_write_with_predecessor(cfg: DSpineConfig, w: dict[str, torch.Tensor],
+                                out: BlocksOut,
+                                pred_ids: torch.Tensor,  # [S, nb, B]  token before each row
+                                ) -> torch.Tensor:
+    """The final state of every row when its last bridge write reads the code of a
+    discrete predecessor token u = pred_ids (sqrt(C) E[u]) instead of the predecessor
+    row's continuous code: what the serial tail scores (docs/design.md section 1.5,
+    `kernels/tail_ref.py` computes the same write for 16 candidates). Training calls it
+    with the true previous tokens, the inputs the tail sees on every accepted prefix.
+    -> final hidden [S, nb, B, H] (after the final norm; logits = it @ head.T)"""
+    bridge = bridge_weights(cfg, w)
+    S, nb, B, C = out.last_codes.shape
+    pred_codes = math.sqrt(C) * bridge.codebook[pred_ids].float()  # [S, nb, B, C]
+    m = bridge_message_ref(out.last_codes.reshape(-1, C), pred_codes.reshape(-1, C),
+                           bridge.gate_recv, bridge.gate_pred, bridge.value,
+                           bridge.gate_bias)  # [S*nb*B, M]
+    x = out.pre_write_state.float() + out.last_rms[..., None].float() * (
+        m @ bridge.write[-1].float().t()).view(S, nb, B, -1)  # [S, nb, B, H]
+    return rms_norm(x, w["norm.weight"], cfg.rms_norm_eps)

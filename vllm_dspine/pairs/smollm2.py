@@ -400,8 +400,7 @@ def write_smollm2_pair(out: str, cache_dir: str | None = None,
     # `dflash` format, for the benchmarks' side-by-side runs.
     ablation = drafter + "-no-bridge"
     if os.path.isfile(os.path.join(ablation, "config.json")):
-        from vllm_dspine.model.checkpoint import load_draft_checkpoint
-        from vllm_dspine.train.smollm2 import export_dflash
+        from vllm_dspine.model.checkpoint import load_draft_checkpoint, save_dflash_checkpoint
 
         nb = os.path.join(out, "draft-no-bridge")
         os.makedirs(nb, exist_ok=True)
@@ -409,7 +408,7 @@ def write_smollm2_pair(out: str, cache_dir: str | None = None,
             if name.endswith((".json", ".safetensors")):
                 shutil.copyfile(os.path.join(ablation, name), os.path.join(nb, name))
         cfg, tensors = load_draft_checkpoint(nb)
-        export_dflash(cfg, tensors, nb + "-dflash")
+        save_dflash_checkpoint(nb + "-dflash", cfg, tensors)
     return {"target": target, "draft": draft, "drafter_source": drafter}
 
 

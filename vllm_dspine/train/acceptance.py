@@ -44,7 +44,9 @@ def _decode_walk(accepted: torch.Tensor) -> float:
 def greedy_acceptance(cfg: DSpineConfig, w: dict[str, torch.Tensor], embed_tokens, lm_head,
                       ids: torch.Tensor,  # [S, T]  the target's greedy sequences
                       features: torch.Tensor,  # [S, T, F*H]
-                      first_anchor: int, tail: bool = True) -> dict[str, float]:
+                      first_anchor: int, tail: bool = True,
+                      vocab: torch.Tensor | None = None,  # [V']  retrieval vocabulary
+                      ) -> dict[str, float]:
     """Mean accepted drafts (of B - 1) over every anchor p in [first_anchor, T - B],
     and the mean cross-entropy of rows 1.. against the sequence (`eval_loss`).
 
@@ -54,6 +56,10 @@ def greedy_acceptance(cfg: DSpineConfig, w: dict[str, torch.Tensor], embed_token
     p + accepted + 1): after a rejection the next anchor sits where the text surprised
     the drafter, so this is lower than the mean over all anchors; it is what vLLM's
     spec-decode counters report (mean accepted tokens per draft).
+    `vocab`: the drafter's retrieval vocabulary (`retrieval_vocab` of its config): argmax
+    and candidates range over those head rows only, as vLLM serves it; `eval_loss` is
+    then over that vocabulary too (rows whose target token lies outside it are left out of the loss, and
+    `eval_outside` says what share of the rows that was).
     """
     S, T = ids.shape
     B = cfg.block_size
@@ -62,34 +68,48 @@ def greedy_acceptance(cfg: DSpineConfig, w: dict[str, torch.Tensor], embed_token
     truth = ids.gather(1, (anchors[..., None] + torch.arange(1, B)).view(S, -1)
                        ).view(S * nb, B - 1)  # [S*nb, K]
     stats: dict[str, float] = {"eval_blocks": S * nb}
-    outs = [block_forward(cfg, w, embed_tokens, lm_head, ids[s:s + 1], features[s:s + 1],
+    head = lm_head if vocab is None else lm_head[vocab]  # [V', H]
+    to_full = (lambda i: i) if vocab is None else (lambda i: vocab[i])
+    outs = [block_forward(cfg, w, embed_tokens, head, ids[s:s + 1], features[s:s + 1],
                           anchors[s:s + 1]) for s in range(S)]
     logits = torch.cat([o.logits for o in outs]).view(S * nb, B, -1)
+    if vocab is None:
+        target = truth
+    else:
+        remap = torch.full((lm_head.shape[0],), -100, dtype=torch.long)
+        remap[vocab] = torch.arange(len(vocab))
+        target = remap[truth]
+        stats["eval_outside"] = (target == -100).float().mean().item()
     stats["eval_loss"] = F.cross_entropy(logits[:, 1:].reshape(-1, logits.shape[-1]),
-                                         truth.reshape(-1)).item()
-    acc = _leading_matches(logits[:, 1:].argmax(-1), truth)  # [S*nb]
+                                         target.reshape(-1), ignore_index=-100).item()
+    acc = _leading_matches(to_full(logits[:, 1:].argmax(-1)), truth)  # [S*nb]
     stats["acceptance_argmax"] = acc.float().mean().item()
     stats["acceptance_argmax_decode"] = _decode_walk(acc.view(S, nb))
-    stats["row1_hit_argmax"] = (logits[:, 1].argmax(-1) == truth[:, 0]).float().mean().item()
+    stats["row1_hit_argmax"] = (to_full(logits[:, 1].argmax(-1)) == truth[:, 0]
+                                ).float().mean().item()
     if tail:
         from vllm_dspine.kernels.retrieval import retrieve_candidates
-        from vllm_dspine.kernels.tail import TailTables, refine_last_write
+        from vllm_dspine.kernels.tail import (LastWriteInputs, TailTables, TailWeights,
+                                              refine_last_write)
 
         bridge = bridge_weights(cfg, w)
         final = torch.cat([o.final_hidden for o in outs]).view(S * nb, B, -1)
-        cand = retrieve_candidates(final[:, 1:].reshape(-1, final.shape[-1]), lm_head,
-                                   cfg.head_topk, cfg.coarse_topk, mode="bf16"
-                                   ).view(S * nb, B - 1, cfg.head_topk)
+        cand = to_full(retrieve_candidates(final[:, 1:].reshape(-1, final.shape[-1]), head,
+                                           cfg.head_topk, min(cfg.coarse_topk, head.shape[0]),
+                                           mode="bf16")).view(S * nb, B - 1, cfg.head_topk)
         prop = refine_last_write(
-            torch.cat([o.pre_write_state for o in outs]).view(S * nb, B, -1),
-            torch.cat([o.last_codes for o in outs]).view(S * nb, B, -1),
-            torch.cat([o.last_rms for o in outs]).view(S * nb, B),
-            cand, ids.gather(1, anchors).reshape(-1),
-            bridge, w["norm.weight"], cfg.rms_norm_eps, lm_head,
+            LastWriteInputs(torch.cat([o.pre_write_state for o in outs]).view(S * nb, B, -1),
+                            torch.cat([o.last_codes for o in outs]).view(S * nb, B, -1),
+                            torch.cat([o.last_rms for o in outs]).view(S * nb, B),
+                            ids.gather(1, anchors).reshape(-1)),
+            cand, TailWeights(bridge, w["norm.weight"], cfg.rms_norm_eps, lm_head),
             temperature=torch.zeros(S * nb),
             tables=TailTables.build(bridge, lm_head, w["norm.weight"]))
         acc = _leading_matches(prop.draft_token_ids, truth)  # [S*nb]
         stats["acceptance_tail"] = acc.float().mean().item()
+        # per position: share of blocks whose first t drafts are all accepted
+        stats["tail_accept_by_position"] = [
+            (acc >= t).float().mean().item() for t in range(1, B)]
         stats["acceptance_tail_decode"] = _decode_walk(acc.view(S, nb))
     return stats
 
@@ -109,7 +129,8 @@ def sampled_acceptance(cfg: DSpineConfig, w: dict[str, torch.Tensor], embed_toke
     length of the block is sum_t prod_{i <= t} a_i.
     """
     from vllm_dspine.kernels.retrieval import retrieve_candidates
-    from vllm_dspine.kernels.tail import TailTables, refine_last_write
+    from vllm_dspine.kernels.tail import (LastWriteInputs, TailTables, TailWeights,
+                                          refine_last_write)
 
     S = ids.shape[0]
     B, k = cfg.block_size, cfg.head_topk
@@ -124,9 +145,10 @@ def sampled_acceptance(cfg: DSpineConfig, w: dict[str, torch.Tensor], embed_toke
                                    k, cfg.coarse_topk, mode="bf16").view(S, K, k)
         gens = [torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
                 for _ in range(S)]
-        prop = refine_last_write(out.pre_write_state[:, 0], out.last_codes[:, 0],
-                                 out.last_rms[:, 0], cand, ids[:, p], bridge, w["norm.weight"],
-                                 cfg.rms_norm_eps, lm_head,
+        prop = refine_last_write(LastWriteInputs(out.pre_write_state[:, 0], out.last_codes[:, 0],
+                                                 out.last_rms[:, 0], ids[:, p]),
+                                 cand, TailWeights(bridge, w["norm.weight"], cfg.rms_norm_eps,
+                                                   lm_head),
                                  temperature=torch.full((S,), temperature),
                                  generators=gens, tables=tables)
         draft = prop.draft_token_ids  # [S, K]

@@ -20,17 +20,20 @@ dominates training at small hidden sizes (49,152 x 576 per row for SmolLM2).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import time
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 import torch
 import torch.nn.functional as F
 
 from vllm_dspine.config import DSpineConfig
-from vllm_dspine.model.drafter import block_forward
+from vllm_dspine.model.drafter import block_forward, last_write_with_predecessor
 
 IGNORE = -100
 
@@ -63,17 +66,64 @@ def block_labels(ids: torch.Tensor,  # [S, T]
     return torch.where(valid, labels, torch.full_like(labels, IGNORE))
 
 
+@dataclass
+class BlockTargets:
+    """What rows 1..K of each block are trained towards."""
+
+    labels: torch.Tensor  # [S, nb, K]  next token in the loss vocabulary's numbering, or IGNORE
+    soft_ids: torch.Tensor | None = None  # [S, nb, K, k]  the target's top-k ids (loss numbering, IGNORE outside)
+    soft_probs: torch.Tensor | None = None  # [S, nb, K, k]  their probabilities, renormalised over the kept ids
+
+
+def soft_targets(topk_ids: torch.Tensor,  # [S, T, k]  target's top-k at each position (full-vocab ids)
+                 topk_logp: torch.Tensor,  # [S, T, k]
+                 anchors: torch.Tensor,  # [S, nb]
+                 block_size: int, remap: torch.Tensor,  # [V]  full id -> loss id or IGNORE
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's distribution of the token at position p + t, read at position
+    p + t - 1 (where the target predicted it), for rows t = 1..K of every block;
+    ids outside the loss vocabulary dropped and the rest renormalised.
+    -> ids [S, nb, K, k] (loss numbering, IGNORE where dropped), probs [S, nb, K, k]"""
+    S, T, k = topk_ids.shape
+    pos = (anchors[..., None] + torch.arange(block_size - 1)).clamp(max=T - 1)  # [S, nb, K]
+    flat = pos.view(S, -1, 1).expand(-1, -1, k)  # [S, nb*K, k]
+    ids = remap[topk_ids.gather(1, flat).long()].view(*pos.shape, k)
+    probs = topk_logp.gather(1, flat).float().exp().view(*pos.shape, k)
+    probs = torch.where(ids == IGNORE, torch.zeros_like(probs), probs)
+    return ids, probs / probs.sum(-1, keepdim=True).clamp(min=1e-9)
+
+
+def _row_losses(logits: torch.Tensor,  # [S, nb, K, V']
+                targets: BlockTargets) -> torch.Tensor:
+    """Cross-entropy of every row against its hard label, or against the target's
+    top-k distribution when one is given.  -> [S, nb, K] (0 at ignored rows)"""
+    if targets.soft_ids is None:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                               targets.labels.reshape(-1), ignore_index=IGNORE,
+                               reduction="none").view(targets.labels.shape)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    picked = logp.gather(-1, targets.soft_ids.clamp(min=0))  # [S, nb, K, k]
+    return -(targets.soft_probs * picked).sum(-1)
+
+
 def block_loss(cfg: DSpineConfig, w: dict[str, torch.Tensor],
                embed: torch.Tensor,  # [V, H]  the target's, frozen
                head: torch.Tensor,  # [V', H]  the target's head rows of the loss vocabulary
                ids: torch.Tensor,  # [S, T]
                feats: torch.Tensor,  # [S, T, F*H]
                anchors: torch.Tensor,  # [S, nb]
-               labels: torch.Tensor,  # [S, nb, K]  ids in head's row numbering, or IGNORE
+               targets: BlockTargets,
                weights: torch.Tensor,  # [K]
                total_weight: torch.Tensor | None = None,  # scalar
+               tail_weight: float = 0.0,
                ) -> torch.Tensor:
-    """Row-weighted mean cross-entropy of rows 1..K (ignored rows excluded).  -> scalar
+    """Row-weighted mean loss of rows 1..K (ignored rows excluded).  -> scalar
+
+    Rows are scored twice when `tail_weight` > 0: as the block forward leaves them (the
+    continuous predecessor codes: what retrieval ranks candidates with) and with the last
+    write reading the code of the true previous token (`last_write_with_predecessor`:
+    what the serial tail scores on an accepted prefix), rows 2..K, that loss weighted by
+    `tail_weight` (row 1's predecessor is the anchor in both, already counted).
 
     The weighted sum is divided by `total_weight`, by default this batch's own sum of
     weights (the mean). Under DDP each rank passes the GLOBAL batch's sum / world size
@@ -82,13 +132,21 @@ def block_loss(cfg: DSpineConfig, w: dict[str, torch.Tensor],
     holding more ignored rows (past the end of a text) would count for more per row.
     """
     out = block_forward(cfg, w, embed, head, ids, feats, anchors)
-    logits = out.logits[:, :, 1:]  # [S, nb, K, V']
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                         ignore_index=IGNORE, reduction="none").view(labels.shape)
-    wt = weights * (labels != IGNORE)  # [S, nb, K]
+    ce = _row_losses(out.logits[:, :, 1:], targets)  # [S, nb, K]
+    wt = weights * (targets.labels != IGNORE)  # [S, nb, K]
     if total_weight is None:
         total_weight = wt.sum()
-    return (ce * wt).sum() / total_weight.clamp(min=1e-9)
+    loss = (ce * wt).sum()
+    if tail_weight > 0:
+        B = cfg.block_size
+        # rows past the text's end are ignored rows: any valid index serves them
+        pos = (anchors[..., None] + torch.arange(B) - 1).clamp(0, ids.shape[1] - 1)  # [S, nb, B]
+        pred = ids.gather(1, pos.view(ids.shape[0], -1)).view(pos.shape)
+        pred[..., 0] = ids.gather(1, anchors)  # row 0: the anchor (never scored)
+        final = last_write_with_predecessor(cfg, w, out, pred)  # [S, nb, B, H]
+        tail_ce = _row_losses(final[:, :, 1:] @ head.float().t(), targets)  # [S, nb, K]
+        loss = loss + tail_weight * (tail_ce[:, :, 1:] * wt[:, :, 1:]).sum()
+    return loss / total_weight.clamp(min=1e-9)
 
 
 class DrafterParams(torch.nn.Module):
@@ -106,10 +164,10 @@ class DrafterParams(torch.nn.Module):
     def tensors(self) -> dict[str, torch.Tensor]:
         return {n: self.p[n.replace(".", "__")] for n in self.names}
 
-    def forward(self, cfg, embed, head, ids, feats, anchors, labels, weights,
-                total_weight=None):
-        return block_loss(cfg, self.tensors(), embed, head, ids, feats, anchors, labels,
-                          weights, total_weight)
+    def forward(self, cfg, embed, head, ids, feats, anchors, targets, weights,
+                total_weight=None, tail_weight=0.0):
+        return block_loss(cfg, self.tensors(), embed, head, ids, feats, anchors, targets,
+                          weights, total_weight, tail_weight)
 
 
 @dataclass(frozen=True)
@@ -124,6 +182,9 @@ class DistillSettings:
     grad_clip: float = 1.0
     ckpt_every: int = 100
     seed: int = 0
+    soft: bool = False  # distil to the target's top-k distribution (needs DistillData.topk_*)
+    tail_weight: float = 0.0  # weight of the discrete-predecessor (tail) loss, rows 2..K
+    train_rows: int | None = None  # proposal rows trained per block (None: all K)
 
 
 @dataclass
@@ -131,19 +192,37 @@ class DistillData:
     """Token ids and target features of the training text, per sequence."""
 
     ids: list[torch.Tensor]  # n x [T_i]  int64
-    feats: list[torch.Tensor]  # n x [T_i, F*H]
+    feats: list  # n x [T_i, F*H]: fp32 tensors, or bf16 bits as uint16 arrays (memory-mapped)
     first_anchor: list[int]  # n: first decode position (the prompt's length)
+    topk_ids: list | None = None  # n x [T_i, k]  the target's top-k next-token ids
+    topk_logp: list | None = None  # n x [T_i, k]  their log-probabilities
+    vocab: torch.Tensor | None = None  # [V']  the loss vocabulary, sorted (None: the text's)
 
     def vocab_ids(self) -> torch.Tensor:
-        """Sorted ids of every token in the text (the loss vocabulary).  -> [V']"""
+        """Sorted ids of the loss vocabulary (default: every token of the text).  -> [V']"""
+        if self.vocab is not None:
+            return self.vocab
         return torch.unique(torch.cat(self.ids))
+
+
+def _rows(x, t: int) -> torch.Tensor:
+    """The first t rows of a per-sequence array as fp32 (bf16 bits are widened)."""
+    if isinstance(x, torch.Tensor):
+        return x[:t].float()
+    a = np.asarray(x[:t])
+    if a.dtype == np.uint16:
+        from vllm_dspine.train.feature_store import bf16_from_bits
+
+        return bf16_from_bits(a)
+    return torch.from_numpy(np.ascontiguousarray(a))
 
 
 def sample_batch(data: DistillData, seqs: list[int], blocks_per_seq: int, block_size: int,
                  gen: torch.Generator):
     """Blocks of `seqs`: anchors drawn uniformly in [first_anchor, T - 2], sequences cut
     after the last anchor's block and right-padded to one length.
-    -> ids [S, T], feats [S, T, F*H], anchors [S, nb], lengths [S]"""
+    -> ids [S, T], feats [S, T, F*H], anchors [S, nb], lengths [S], and the target's
+    top-k (ids [S, T, k], log-probabilities [S, T, k]) when the data has them, else None"""
     rows, anchors = [], []
     for i in seqs:
         T = len(data.ids[i])
@@ -155,10 +234,18 @@ def sample_batch(data: DistillData, seqs: list[int], blocks_per_seq: int, block_
     fh = data.feats[seqs[0]].shape[1]
     ids = torch.zeros(len(seqs), Tm, dtype=torch.long)
     feats = torch.zeros(len(seqs), Tm, fh)
+    topk = None
+    if data.topk_ids is not None:
+        k = data.topk_ids[seqs[0]].shape[1]
+        topk = (torch.zeros(len(seqs), Tm, k, dtype=torch.long),
+                torch.full((len(seqs), Tm, k), -1e4))
     for r, (i, t) in enumerate(zip(seqs, rows)):
         ids[r, :t] = data.ids[i][:t]
-        feats[r, :t] = data.feats[i][:t]
-    return ids, feats, torch.stack(anchors), torch.tensor(rows)
+        feats[r, :t] = _rows(data.feats[i], t)
+        if topk is not None:
+            topk[0][r, :t] = _rows(data.topk_ids[i], t).long()
+            topk[1][r, :t] = _rows(data.topk_logp[i], t).float()
+    return ids, feats, torch.stack(anchors), torch.tensor(rows), topk
 
 
 def _save_state(path: str, state: dict) -> None:
@@ -215,6 +302,12 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
     remap = torch.full((embed.shape[0],), IGNORE, dtype=torch.long)
     remap[vocab] = torch.arange(len(vocab))
     head_v = head[vocab].contiguous()  # [V', H]
+    if s.soft and data.topk_ids is None:
+        raise ValueError("distill: soft=True needs the target's top-k (DistillData.topk_ids)")
+    if s.train_rows is not None:
+        # Rows are causal inside a block: training the first rows alone gives them the
+        # same loss as in the full block, at a fraction of the cost.
+        cfg = dataclasses.replace(cfg, block_size=s.train_rows + 1)
     weights = row_weights(cfg.block_size, s.row_decay)
 
     module = DrafterParams(init, frozen)
@@ -246,11 +339,16 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
     n = len(data.ids)
     for step in range(step0, s.steps):
         seqs = torch.randperm(n, generator=gen)[:s.seqs_per_step].tolist()
-        ids, feats, anchors, lengths = sample_batch(data, seqs, s.blocks_per_seq,
-                                                    cfg.block_size, gen)
+        ids, feats, anchors, lengths, topk = sample_batch(data, seqs, s.blocks_per_seq,
+                                                          cfg.block_size, gen)
         mine = slice(rank, None, world)
         labels = block_labels(ids, anchors, cfg.block_size, lengths)
         labels = torch.where(labels == IGNORE, labels, remap[labels.clamp(min=0)])
+        targets = BlockTargets(labels[mine])
+        if s.soft:
+            sid, sp = soft_targets(topk[0][mine], topk[1][mine], anchors[mine],
+                                   cfg.block_size, remap)
+            targets = BlockTargets(labels[mine], sid, sp)
         for g in opt.param_groups:
             g["lr"] = cosine_lr(step, s.steps, s.lr, s.warmup)
         # Every rank divides its weighted sum by the global batch's total weight / world,
@@ -259,7 +357,7 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
         # the batch's own total, the plain mean).
         total = (weights * (labels != IGNORE)).sum() / world
         loss = model(cfg, embed, head_v, ids[mine], feats[mine], anchors[mine],
-                     labels[mine], weights, total)
+                     targets, weights, total, s.tail_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trained, s.grad_clip)

@@ -150,3 +150,102 @@ def mixed_prompts(sources: list[list[str]], limit: int, seed: int = 0) -> list[s
                     break
     random.Random(seed).shuffle(out)
     return out
+
+
+# ------------------------------------------- keyed sources of the growing corpus
+# (`train/corpus.py`): each item is (provenance key, prompt), in a seeded order.
+
+# Topics for the self-written user turns: general chat well beyond code.
+CHAT_TOPICS = (
+    "cooking", "travel planning", "personal finance", "fitness", "gardening", "history",
+    "physics", "chemistry", "biology", "astronomy", "geography", "music", "film",
+    "literature", "poetry", "writing an email", "a job interview", "career advice",
+    "studying for an exam", "mathematics homework", "statistics", "economics",
+    "philosophy", "psychology", "parenting", "pets", "home repair", "cars",
+    "photography", "painting", "languages", "grammar", "a birthday party", "a wedding speech",
+    "a short story", "a product description", "marketing", "a business plan",
+    "time management", "sleep", "nutrition", "mental health", "climate", "energy",
+    "JavaScript", "SQL", "Rust", "shell scripting", "Git", "Linux", "web development",
+    "data analysis with pandas", "machine learning", "regular expressions", "algorithms",
+    "data structures", "unit testing", "debugging a Python error", "APIs", "databases",
+    "networking", "security", "cloud computing", "spreadsheets", "a resume",
+    "a cover letter", "a recipe", "a travel itinerary", "a workout plan", "board games",
+)
+
+DEBIAN_TEMPLATES = (
+    "What is the Debian package `{pkg}` for? Its description says: {short}.",
+    "I just installed `{pkg}` ({short}). How do I get started with it?",
+    "Explain to a beginner what this software does: {short}.",
+    "Summarise this package description in plain words:\n\n{long}",
+    "When would I use `{pkg}` instead of an alternative? It is described as: {short}.",
+)
+
+
+def debian_packages(limit: int | None = None) -> list[tuple[str, str, str]]:
+    """(package, short description, long description) of the packages `apt-cache
+    dumpavail` lists on this machine (empty where apt-cache is missing), one entry per
+    distinct short description (the -data/-doc/-dev siblings repeat their main one)."""
+    import subprocess
+
+    try:
+        text = subprocess.run(["apt-cache", "dumpavail"], capture_output=True, text=True,
+                              timeout=120, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    out, seen = [], set()
+    for stanza in text.split("\n\n"):
+        pkg = short = None
+        long_lines: list[str] = []
+        in_desc = False
+        for line in stanza.splitlines():
+            if line.startswith("Package: "):
+                pkg = line[9:].strip()
+            elif line.startswith("Description: "):
+                short, in_desc = line[13:].strip(), True
+            elif in_desc and line.startswith(" "):
+                long_lines.append("" if line.strip() == "." else line.strip())
+            else:
+                in_desc = False
+        if not pkg or not short or short.lower() in seen:
+            continue
+        seen.add(short.lower())
+        out.append((pkg, short.rstrip("."), " ".join(long_lines).strip()[:1200]))
+    out.sort()
+    return out[:limit] if limit else out
+
+
+def debian_prompts(seed: int = 0) -> list[tuple[str, str]]:
+    """One prompt per Debian package description (template drawn per package)."""
+    rng = random.Random(seed)
+    out = []
+    for pkg, short, long in debian_packages():
+        t = rng.choice(DEBIAN_TEMPLATES if len(long) >= 200 else DEBIAN_TEMPLATES[:3]
+                       + DEBIAN_TEMPLATES[4:])
+        out.append((f"debian:{pkg}", t.format(pkg=pkg, short=short, long=long)))
+    rng.shuffle(out)
+    return out
+
+
+PYDOC_TEMPLATES = (
+    "Explain this part of the Python language reference with a short example:\n\n{text}",
+    "Summarise this Python documentation for a beginner:\n\n{text}",
+    "Write a small Python program that demonstrates this:\n\n{text}",
+)
+
+
+def python_prompts(seed: int = 0) -> list[tuple[str, str]]:
+    """Standard-library function tasks (`stdlib_function_prompts`) and chunks of the
+    Python reference topics that ship with Python (`pydoc_data.topics`)."""
+    rng = random.Random(seed)
+    out = [(f"stdlib:{i}", p) for i, p in enumerate(stdlib_function_prompts(seed))]
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        topics = {}
+    for name in sorted(topics):
+        paras = [p.strip() for p in topics[name].split("\n\n") if len(p.strip()) >= 200]
+        for j, p in enumerate(paras):
+            out.append((f"pydoc:{name}:{j}",
+                        rng.choice(PYDOC_TEMPLATES).format(text=p[:1200])))
+    rng.shuffle(out)
+    return out

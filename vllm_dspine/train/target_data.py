@@ -119,17 +119,26 @@ def make_llm(target_dir: str, max_model_len: int, max_num_seqs: int = 32):
                max_num_seqs=max_num_seqs, seed=0)
 
 
-def generate_self_prompts(llm, tokenizer, num: int, seed: int,
-                          max_tokens: int = 48) -> list[str]:
+SELF_PROMPT_OPENERS = ("Write", "How do I", "Explain", "What is", "Can you", "Give me",
+                       "Implement", "Why does", "Show me", "Create", "Describe", "Fix")
+
+
+def generate_self_prompts(llm, tokenizer, num: int, seed: int, max_tokens: int = 48,
+                          topics: tuple[str, ...] = ()) -> list[str]:
     """User turns the target writes itself: it is given only the opening of a user turn
-    (the chat template up to the user's first word) and samples at temperature 1.0.
+    (the chat template up to the user's first words) and samples at temperature 1.0.
+    With `topics`, turn i opens with "About <topic>: " before its opener word, so the
+    turns spread over the topics instead of the target's favourite few.
     Kept: one-line results of 4..60 words that end like a request or a question."""
     from vllm import SamplingParams
 
-    openers = ("Write", "How do I", "Explain", "What is", "Can you", "Give me",
-               "Implement", "Why does", "Show me", "Create", "Describe", "Fix")
+    openers = SELF_PROMPT_OPENERS
     stub = tokenizer.apply_chat_template([{"role": "user", "content": "\x00"}],
                                          tokenize=False).split("\x00")[0]
+    if topics:
+        openers = tuple(f"About {topics[(i * 7 + seed) % len(topics)]}: "
+                        f"{SELF_PROMPT_OPENERS[i % len(SELF_PROMPT_OPENERS)]}"
+                        for i in range(num))
     texts = [stub + openers[i % len(openers)] for i in range(num)]
     params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=max_tokens,
                              seed=seed * 1_000_003 + i, stop=["\n", "<|im_end|>"])

@@ -1,0 +1,257 @@
+"""The distillation corpus: the target's own answers, stored as compact shards that grow.
+
+    python -m vllm_dspine.train.corpus --target DIR --corpus data/corpus/smollm2 --shards 4
+
+A shard is one `shard-NNNNN.npz` (numpy, compressed; ~2 bytes a token) holding, per
+sequence, the chat-templated prompt ids followed by the target's answer ids, where the
+answer starts, the prompt's source and key (provenance), and the sampling setting the
+answer was drawn with. `manifest.json` beside the shards lists them with their counts.
+The command adds shards until `--shards` exist and never touches a finished one, so the
+corpus grows run after run (a stopped run loses at most the shard it was writing).
+
+Prompt sources, all offline and none a benchmark (HumanEval is test data, never a
+prompt; `train/prompts.py` has the generators):
+
+- `self`: user turns the target writes itself from an opening and a topic (general chat),
+- `debian`: Debian package descriptions from `apt-cache dumpavail` (what a tool is for,
+  how to start with it, a summary of its description),
+- `python`: standard-library function tasks and Python reference topics (`pydoc_data`),
+- `docs`: paragraphs of this project's docs.
+
+Shard k takes its share of each static source's k-th slice (seeded order, fixed for the
+corpus), so shards never repeat a prompt; prompts already in an earlier shard (same
+text) are skipped, and the self-written turns are drawn with seed k.
+
+    n sequences in a shard, N tokens in all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+SOURCES = ("self", "debian", "python", "docs")
+# Share of each source in a shard: general chat (self + debian) well represented, code
+# (python) as the measured workload, the project's docs a little (they run out first;
+# the others then fill the shard).
+SHARES = {"self": 0.35, "debian": 0.25, "python": 0.30, "docs": 0.10}
+SHARD_FORMAT = 1
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def prompt_hash(prompt: str) -> str:
+    return hashlib.sha1(prompt.encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------- reading shards
+class Corpus:
+    """The shards of one corpus folder, read back as token sequences.
+
+    sequences: per sequence the prompt + answer ids (list of np.int64 arrays);
+    answer_start: the first answer position of each; source / key / temperature: per
+    sequence provenance and sampling setting."""
+
+    def __init__(self, folder: str, shards: list[str] | None = None):
+        self.folder = folder
+        manifest = read_manifest(folder)
+        names = shards if shards is not None else [s["file"] for s in manifest["shards"]]
+        self.sequences: list[np.ndarray] = []
+        self.answer_start: list[int] = []
+        self.source: list[str] = []
+        self.key: list[str] = []
+        self.temperature: list[float] = []
+        self.shard_of: list[str] = []
+        for name in names:
+            with np.load(os.path.join(folder, name)) as z:
+                tokens, offsets = z["tokens"].astype(np.int64), z["offsets"]
+                for i in range(len(offsets) - 1):
+                    self.sequences.append(tokens[offsets[i]:offsets[i + 1]])
+                self.answer_start += z["answer_start"].tolist()
+                self.source += [SOURCES[s] for s in z["source"].tolist()]
+                self.key += z["key"].tolist()
+                self.temperature += z["temperature"].tolist()
+                self.shard_of += [name] * (len(offsets) - 1)
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def answer_tokens(self) -> int:
+        return int(sum(len(s) - a for s, a in zip(self.sequences, self.answer_start)))
+
+
+def read_manifest(folder: str) -> dict:
+    path = os.path.join(folder, "manifest.json")
+    if not os.path.exists(path):
+        return {"format": SHARD_FORMAT, "shards": []}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _write_manifest(folder: str, manifest: dict) -> None:
+    tmp = os.path.join(folder, "manifest.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+    os.replace(tmp, os.path.join(folder, "manifest.json"))
+
+
+def write_shard(folder: str, name: str, seqs: list[list[int]], answer_start: list[int],
+                source: list[str], key: list[str], temperature: list[float],
+                vocab_size: int) -> dict:
+    """One shard file (written to a temporary name, then renamed: never torn)."""
+    assert len(seqs) == len(answer_start) == len(source) == len(key) == len(temperature)
+    dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
+    offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(s) for s in seqs])
+    tmp = os.path.join(folder, name + ".tmp.npz")
+    np.savez_compressed(
+        tmp, tokens=np.concatenate([np.asarray(s, dtype=dtype) for s in seqs]),  # [N]
+        offsets=offsets,  # [n + 1]
+        answer_start=np.asarray(answer_start, dtype=np.int32),  # [n]
+        source=np.asarray([SOURCES.index(s) for s in source], dtype=np.uint8),  # [n]
+        key=np.asarray(key, dtype=str),  # [n]
+        temperature=np.asarray(temperature, dtype=np.float32),  # [n]
+        prompt_sha1=np.asarray([k.split("#")[-1] for k in key], dtype=str))  # [n]
+    os.replace(tmp, os.path.join(folder, name))
+    return {"file": name, "sequences": len(seqs), "tokens": int(offsets[-1]),
+            "answer_tokens": int(sum(len(s) - a for s, a in zip(seqs, answer_start))),
+            "by_source": {s: source.count(s) for s in SOURCES}}
+
+
+# ------------------------------------------------------------------ making a shard
+def shard_prompts(k: int, n: int, static: dict[str, list[tuple[str, str]]],
+                  self_written: list[tuple[str, str]], seen: set[str]
+                  ) -> list[tuple[str, str, str]]:
+    """Shard k's prompts: SHARES of n from each source's k-th slice (static sources) or
+    from this shard's self-written turns; a source that runs short leaves its place to
+    the others (round-robin). Prompts whose hash is in `seen` are skipped.
+    -> [(source, key, prompt)]"""
+    pools: dict[str, list[tuple[str, str]]] = {"self": self_written}
+    for src, items in static.items():
+        per = max(1, round(SHARES[src] * n))
+        pools[src] = items[k * per:(k + 1) * per] + items[(k + 1) * per:]  # spill-over tail
+    out: list[tuple[str, str, str]] = []
+    quota = {s: round(SHARES[s] * n) for s in SOURCES}
+    iters = {s: iter(pools.get(s, [])) for s in SOURCES}
+
+    def take(src: str) -> bool:
+        for key, prompt in iters[src]:
+            h = prompt_hash(prompt)
+            if h in seen:
+                continue
+            seen.add(h)
+            out.append((src, f"{key}#{h}", prompt))
+            return True
+        return False
+
+    for src in SOURCES:  # each source up to its share
+        while quota[src] > 0 and len(out) < n and take(src):
+            quota[src] -= 1
+    live = [s for s in SOURCES]
+    while len(out) < n and live:  # the rest: whoever still has prompts
+        for src in list(live):
+            if len(out) >= n:
+                break
+            if not take(src):
+                live.remove(src)
+    return out
+
+
+def build_shard(llm, tokenizer, k: int, n: int, static, seen: set[str], max_tokens: int,
+                greedy_share: float, temperature: float, seed: int):
+    """Prompts of shard k and the target's answers to them (vLLM, one batch)."""
+    from vllm_dspine.train import prompts as P
+    from vllm_dspine.train.target_data import (chat_ids, generate_answers,
+                                               generate_self_prompts)
+
+    want_self = round(SHARES["self"] * n * 1.6)  # about 60 % of sampled turns are kept
+    turns = generate_self_prompts(llm, tokenizer, want_self, seed=seed * 1000 + k,
+                                  topics=P.CHAT_TOPICS)
+    self_written = [(f"self:{k}:{i}", t) for i, t in enumerate(turns)]
+    chosen = shard_prompts(k, n, static, self_written, seen)
+    prompts = [p for _, _, p in chosen]
+    seqs = generate_answers(llm, tokenizer, prompts, max_tokens, greedy_share,
+                            temperature, seed * 1000 + k)
+    n_greedy = round(greedy_share * len(prompts))
+    temps = [0.0 if i < n_greedy else temperature for i in range(len(prompts))]
+    starts = [len(chat_ids(tokenizer, p)) for p in prompts]
+    return seqs, starts, [s for s, _, _ in chosen], [key for _, key, _ in chosen], temps
+
+
+def grow(target_dir: str, folder: str, shards: int, prompts_per_shard: int,
+         max_tokens: int = 256, greedy_share: float = 0.75, temperature: float = 0.7,
+         seed: int = 0, max_num_seqs: int = 64, docs_dir: str | None = None) -> dict:
+    """Add shards to `folder` until it holds `shards` of them; finished shards are kept
+    as they are. -> the manifest"""
+    from transformers import AutoTokenizer
+
+    from vllm_dspine.train import prompts as P
+    from vllm_dspine.train.target_data import make_llm
+
+    os.makedirs(folder, exist_ok=True)
+    manifest = read_manifest(folder)
+    have = len(manifest["shards"])
+    if have >= shards:
+        _log(f"{folder}: {have} shards already, nothing to add")
+        return manifest
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    seen = set()
+    for s in manifest["shards"]:
+        with np.load(os.path.join(folder, s["file"])) as z:
+            seen.update(z["prompt_sha1"].tolist())
+    docs_dir = docs_dir or os.path.join(os.path.dirname(__file__), "..", "..", "docs")
+    static = {"debian": P.debian_prompts(seed), "python": P.python_prompts(seed),
+              "docs": [(f"docs:{i}", p) for i, p in enumerate(P.doc_prompts(docs_dir, seed))]}
+    _log(f"static sources: " + ", ".join(f"{k} {len(v)}" for k, v in static.items()))
+    llm = make_llm(target_dir, max_model_len=2048, max_num_seqs=max_num_seqs)
+    manifest.setdefault("target", os.path.basename(os.path.abspath(target_dir)))
+    manifest.setdefault("settings", {"max_tokens": max_tokens, "greedy_share": greedy_share,
+                                     "temperature": temperature, "top_p": 0.95,
+                                     "seed": seed, "prompts_per_shard": prompts_per_shard})
+    for k in range(have, shards):
+        t0 = time.time()
+        seqs, starts, source, key, temps = build_shard(
+            llm, tok, k, prompts_per_shard, static, seen, max_tokens, greedy_share,
+            temperature, seed)
+        entry = write_shard(folder, f"shard-{k:05d}.npz", seqs, starts, source, key, temps,
+                            len(tok))
+        entry.update(seconds=round(time.time() - t0, 1), date=time.strftime("%Y-%m-%d"))
+        manifest["shards"].append(entry)
+        _write_manifest(folder, manifest)
+        _log(f"shard {k}: {entry}")
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m vllm_dspine.train.corpus",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--target", required=True, help="the target's Hugging Face folder")
+    ap.add_argument("--corpus", required=True, help="the corpus folder (shards, manifest)")
+    ap.add_argument("--shards", type=int, required=True,
+                    help="grow the corpus to this many shards")
+    ap.add_argument("--prompts-per-shard", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--greedy-share", type=float, default=0.75)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    args = ap.parse_args(argv)
+    from vllm_dspine.cpu_env import set_cpu_defaults
+
+    set_cpu_defaults()
+    m = grow(args.target, args.corpus, args.shards, args.prompts_per_shard, args.max_tokens,
+             args.greedy_share, seed=args.seed, max_num_seqs=args.max_num_seqs)
+    total = sum(s["answer_tokens"] for s in m["shards"])
+    _log(f"{len(m['shards'])} shards, {total} answer tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
