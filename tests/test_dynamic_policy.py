@@ -1,6 +1,7 @@
 """The dynamic-verification policy (vllm_dspine/proposer/dynamic.py) without an engine:
-its choices under injected cost models, the measured cost model, the calibration, the
-drafter skip with its probes, and losslessness of the sampled rule, checked exactly."""
+its choices under injected cost models, the measured cost model (step_cost.py), the
+calibration (calibration.py), the drafter skip with its probes, and losslessness of the
+sampled rule, checked exactly; the context log of skipped steps (context_log.py)."""
 
 from __future__ import annotations
 
@@ -14,21 +15,22 @@ from engine_utils import engine_env
 
 engine_env()
 
+from vllm_dspine.proposer.calibration import (  # noqa: E402
+    AcceptanceCalibrator,
+    draft_confidence,
+)
 from vllm_dspine.proposer.dynamic import (  # noqa: E402
-    FIXED,
+    AT_CAP,
     GREEDY,
     PROBE_MIN,
     PROBE_ROWS,
     ROWS_MIN,
     SAMPLED,
     SKIP_AFTER,
-    AcceptanceCalibrator,
     DynamicVerifier,
-    FixedCost,
-    MeasuredStepCost,
     choose_lengths,
-    draft_confidence,
 )
+from vllm_dspine.proposer.step_cost import InjectedStepCost, MeasuredStepCost  # noqa: E402
 
 K = 15
 
@@ -69,14 +71,14 @@ def _step(v: DynamicVerifier, req_ids, kinds, conf, rejected=None, verified=None
 # Drafting that does not pay while probes are cheap: verification nearly free, the
 # drafter 15 % of a step, drafts seldom accepted. (Where verification itself is dear,
 # probes are too, and PROBE_BUDGET spaces them further: its own test below.)
-UNPAID_CHEAP_PROBES = FixedCost(step_s=1.0, token_s=0.001, draft_s=0.15)
+UNPAID_CHEAP_PROBES = InjectedStepCost(step_s=1.0, token_s=0.001, draft_s=0.15)
 
 
 def test_zero_drafts_when_the_cost_model_says_verification_cannot_pay():
     """Injected cost: a verified token costs as much as a whole step's fixed part plus
     more, and no draft is certain: every request verifies 0; after SKIP_AFTER such steps
     the drafter itself is skipped, with probes at doubling intervals."""
-    v = DynamicVerifier(K, FixedCost(step_s=0.0, token_s=1.0, draft_s=0.0))
+    v = DynamicVerifier(K, InjectedStepCost(step_s=0.0, token_s=1.0, draft_s=0.0))
     ids = ["a", "b", "c", "d"]
     conf = np.full((4, K), 0.95)
     kinds = [GREEDY, GREEDY, SAMPLED, SAMPLED]
@@ -117,7 +119,7 @@ def test_probes_take_at_most_their_budget_of_engine_time():
     have taken 1 / PROBE_MIN of it)."""
     from vllm_dspine.proposer.dynamic import PROBE_BUDGET
 
-    cost = FixedCost(step_s=0.0, token_s=1.0, draft_s=0.0)
+    cost = InjectedStepCost(step_s=0.0, token_s=1.0, draft_s=0.0)
     v = DynamicVerifier(K, cost)
     ids, kinds = ["a", "b", "c", "d"], [GREEDY] * 4
     conf = np.full((4, K), 0.95)
@@ -131,10 +133,10 @@ def test_probes_take_at_most_their_budget_of_engine_time():
             arrivals += 1
             ids = ids[1:] + [f"new{arrivals}"]
         drafted, lengths = _step(v, ids, kinds, conf)
-        plain = float(cost.verify(len(ids)))
+        plain = float(cost.step_seconds(len(ids)))
         spent += plain
         if drafted:
-            extra += float(cost.verify(len(ids) + lengths.sum())) - plain
+            extra += float(cost.step_seconds(len(ids) + lengths.sum())) - plain
     assert 0 < extra <= PROBE_BUDGET * spent * 1.05, (extra, spent)
 
 
@@ -173,7 +175,7 @@ def test_a_step_far_from_paying_skips_the_drafter_at_once():
     ids = ["a", "b", "c", "d"]
     kinds = [GREEDY] * 4
     conf = np.full((4, K), 0.3)
-    cost = FixedCost(step_s=0.01, token_s=0.001, draft_s=0.05)
+    cost = InjectedStepCost(step_s=0.01, token_s=0.001, draft_s=0.05)
     v = DynamicVerifier(K, cost)
     for _ in range(SKIP_AFTER - 1):  # not calibrated yet: one count each
         assert _step(v, ids, kinds, conf)[0]
@@ -185,7 +187,7 @@ def test_a_step_far_from_paying_skips_the_drafter_at_once():
     assert s["skipping"], s
     assert not _step(v, ids, kinds, conf)[0]
     # Break-even (the drafter free, no draft worth its token): one count per step.
-    v = DynamicVerifier(K, FixedCost(step_s=0.0, token_s=1.0, draft_s=0.0))
+    v = DynamicVerifier(K, InjectedStepCost(step_s=0.0, token_s=1.0, draft_s=0.0))
     for _ in range(SKIP_AFTER - 1):
         assert _step(v, ids, kinds, conf)[0]
     assert not v.summary()["skipping"] and 0 < UNPAID_SHORTFALL < 1
@@ -195,7 +197,7 @@ def test_fifteen_drafts_when_acceptance_is_certain():
     """Every draft accepted so far at confidence 1.0, and the step has a fixed part (an
     engine step is never free): all 15 drafts are verified, greedy at once, sampled from
     the second step (their threshold comes from the step before)."""
-    v = DynamicVerifier(K, FixedCost(step_s=0.01, token_s=0.001, draft_s=0.002))
+    v = DynamicVerifier(K, InjectedStepCost(step_s=0.01, token_s=0.001, draft_s=0.002))
     _certain(v.calibrator, greedy=True)
     _certain(v.calibrator, greedy=False)
     ids = [f"r{i}" for i in range(6)]
@@ -211,7 +213,7 @@ def _seeded_lengths(v: DynamicVerifier, accepted_of, others, conf_others, steps=
     """Runs a seeded request "s" beside `others` (greedy); accepted_of(step, n) says how
     many of its n verified drafts were accepted. -> its verified length per step."""
     ids = ["s"] + [f"g{i}" for i in range(others)]
-    kinds = [FIXED] + [GREEDY] * others
+    kinds = [AT_CAP] + [GREEDY] * others
     conf = np.vstack([np.full((1, K), 0.5), conf_others])[: others + 1]
     out, verified, rejected = [], [0] * (others + 1), None
     for step in range(steps):
@@ -230,13 +232,13 @@ def test_seeded_requests_follow_their_own_history():
     all accepted -> double, else accepted + 1; two verifications with nothing accepted
     -> 0 for a wait that doubles while probes fail, then a 1-draft probe."""
     pattern = lambda step, n: n if step % 5 < 3 else 0  # noqa: E731
-    a = _seeded_lengths(DynamicVerifier(K, FixedCost(0.0, 1.0, 0.0)), pattern, 0,
+    a = _seeded_lengths(DynamicVerifier(K, InjectedStepCost(0.0, 1.0, 0.0)), pattern, 0,
                         np.zeros((0, K)))
-    b = _seeded_lengths(DynamicVerifier(K, FixedCost(0.01, 0.0001, 0.0)), pattern, 3,
+    b = _seeded_lengths(DynamicVerifier(K, InjectedStepCost(0.01, 0.0001, 0.0)), pattern, 3,
                         np.ones((3, K)))
     assert a == b
     assert a[:8] == [4, 8, 15, 15, 1, 0, 0, 0]
-    never = _seeded_lengths(DynamicVerifier(K, FixedCost(0.0, 1.0, 0.0)),
+    never = _seeded_lengths(DynamicVerifier(K, InjectedStepCost(0.0, 1.0, 0.0)),
                             lambda step, n: 0, 0, np.zeros((0, K)), steps=80)
     # 4 (nothing) -> 1 (nothing) -> wait 4 -> probe 1 ... waits 4, 8, 16, 32, 64.
     assert never[:2] == [4, 1] and never[2:6] == [0, 0, 0, 0] and never[6] == 1
@@ -250,7 +252,7 @@ def test_seeded_request_alone_does_not_force_the_drafter():
     """Once its own rule gives a seeded request 0 drafts, a batch of it and greedy
     requests whose drafts do not pay is not drafted (the fixed length used to force the
     drafter every step)."""
-    v = DynamicVerifier(K, FixedCost(step_s=0.0, token_s=1.0, draft_s=0.0))
+    v = DynamicVerifier(K, InjectedStepCost(step_s=0.0, token_s=1.0, draft_s=0.0))
     drafted = _seeded_lengths(v, lambda step, n: 0, 2, np.full((2, K), 0.02), steps=40)
     assert sum(1 for n in drafted if n) <= 6
 
@@ -258,7 +260,7 @@ def test_seeded_request_alone_does_not_force_the_drafter():
 def test_intermediate_lengths_follow_confidence():
     """A fixed step cost and a per-token cost in between: confident requests verify
     longer prefixes than unsure ones, and some verify a few, not 0 or 15."""
-    v = DynamicVerifier(K, FixedCost(step_s=0.004, token_s=0.001, draft_s=0.0))
+    v = DynamicVerifier(K, InjectedStepCost(step_s=0.004, token_s=0.001, draft_s=0.0))
     decay = np.array([0.97, 0.9, 0.7, 0.4])[:, None] ** np.arange(1, K + 1)[None, :]
     conf = np.repeat(decay[:, :1], K, axis=1)  # constant confidence per request
     _, lengths = _step(v, ["a", "b", "c", "d"], [GREEDY] * 4, conf)
@@ -272,7 +274,7 @@ def test_row_budget_follows_the_chosen_lengths():
     blocks shrink to one more than the longest (at least ROWS_MIN), one row a step at most; when
     acceptance becomes certain the policy uses every row it has and the budget doubles
     back to 15."""
-    v = DynamicVerifier(K, FixedCost(step_s=0.004, token_s=0.001, draft_s=0.0))
+    v = DynamicVerifier(K, InjectedStepCost(step_s=0.004, token_s=0.001, draft_s=0.0))
     ids = ["a", "b"]
     budgets, longest = [], []
     for _ in range(20):
@@ -293,7 +295,7 @@ def test_row_budget_follows_the_chosen_lengths():
 def test_token_budget_is_respected():
     G = np.ones((8, K))
     lengths = choose_lengths(G, np.full(8, K), np.full(8, GREEDY), None,
-                             FixedCost(1.0, 0.001, 0.0).verify, 0.0, 0.0, max_tokens=50).lengths
+                             InjectedStepCost(1.0, 0.001, 0.0).step_seconds, 0.0, 0.0, max_tokens=50).lengths
     assert lengths.sum() + 8 <= 50 and lengths.sum() == 42
 
 
@@ -324,9 +326,9 @@ def test_measured_cost_model_fits_the_engine_and_drives_the_choice():
             v.end(ids, plan.draft)
             n_tokens = int(2 + lengths.sum())
             seen.append((plan.draft, lengths.tolist()))
-        assert v.verify_cost.ready
+        assert v.step_cost.ready
         for n in (2, 10, 32):
-            assert float(v.verify_cost.verify(n)) == pytest.approx(a + b * n, rel=0.05)
+            assert float(v.step_cost.step_seconds(n)) == pytest.approx(a + b * n, rel=0.05)
         late = seen[-20:]
         if expect == 0:
             assert v.summary()["skipping"]
@@ -340,7 +342,7 @@ def test_measured_cost_ignores_idle_gaps():
     for n in (4, 8, 16, 32) * 5:
         m.observe(n, 0.01 + 0.001 * n)
     m.observe(16, 5.0)  # the engine sat idle between two requests
-    assert float(m.verify(16)) == pytest.approx(0.026, rel=0.05)
+    assert float(m.step_seconds(16)) == pytest.approx(0.026, rel=0.05)
 
 
 def test_measured_cost_follows_machine_speed_from_any_bin():
@@ -355,7 +357,7 @@ def test_measured_cost_follows_machine_speed_from_any_bin():
         m.observe(n, true(n) * rng.uniform(0.9, 1.1))
     for _ in range(200):
         m.observe(1, 2.0 * true(1) * rng.uniform(0.9, 1.1))
-    t1, t16 = float(m.verify(1)), float(m.verify(16))
+    t1, t16 = float(m.step_seconds(1)), float(m.step_seconds(16))
     assert t1 == pytest.approx(2 * true(1), rel=0.08)
     # The 1-token bin keeps a share of a change seen only there (~15 % of it in log
     # terms here), so the ratio reads 2.1 for 2.36; one mean per bin gave 1.17.
@@ -374,8 +376,8 @@ def test_measured_cost_learns_a_change_of_shape():
         m.observe(16, 1.5 * 0.26)
     # Speed first takes most of the change, then the 1-token steps pull it back and
     # the 16-token bin ends with it (within 1 % after 400 pairs; 5 % allowed).
-    assert float(m.verify(1)) == pytest.approx(0.11, rel=0.05)
-    assert float(m.verify(16)) == pytest.approx(1.5 * 0.26, rel=0.05)
+    assert float(m.step_seconds(1)) == pytest.approx(0.11, rel=0.05)
+    assert float(m.step_seconds(16)) == pytest.approx(1.5 * 0.26, rel=0.05)
 
 
 def test_calibrator_follows_observed_acceptance():
@@ -453,7 +455,7 @@ def _policy_length(q1, q2, v1, v2, threshold, peek_at_draws: bool):
     alpha = AcceptanceCalibrator(2).predict(conf, np.array([False]))
     G = np.cumprod(alpha, axis=1)
     choice = choose_lengths(G, np.array([2]), np.array([SAMPLED]), threshold,
-                            FixedCost(0.01, 0.001, 0.0).verify, 0.0, 0.0, 1 << 20)
+                            InjectedStepCost(0.01, 0.001, 0.0).step_seconds, 0.0, 0.0, 1 << 20)
     return int(choice.lengths[0])
 
 
@@ -503,12 +505,13 @@ def _logging_proposer(log_context=True):
     positions and slots the way it does (rejected tokens -> slot -1)."""
     from types import SimpleNamespace
 
+    from vllm_dspine.proposer.context_log import ContextLog
     from vllm_dspine.proposer.dspine_proposer import DSpineProposer
 
     p = object.__new__(DSpineProposer)
     p.dspine = SimpleNamespace(num_proposals=15)
     p.model = _ContextWrites()
-    p._context_log, p._context_log_tokens, p._log_context = [], 0, log_context
+    p._context_log = ContextLog(p._write_context, deferred=log_context)
     p._context_positions_buffer = torch.zeros(512, dtype=torch.int64)
     p._context_slot_mapping_buffer = torch.zeros(512, dtype=torch.int64)
 
@@ -538,7 +541,7 @@ def test_context_writes_of_skipped_steps_are_logged_then_applied_in_order():
     blocks; a step that freed nothing leaves the log alone."""
     from types import SimpleNamespace
 
-    from vllm_dspine.proposer.dspine_proposer import CONTEXT_LOG_TOKENS
+    from vllm_dspine.proposer.context_log import CONTEXT_LOG_TOKENS
 
     p = _logging_proposer()
     for step in range(3):
@@ -551,7 +554,7 @@ def test_context_writes_of_skipped_steps_are_logged_then_applied_in_order():
     assert positions == [0, 1, 10, 11, 12, 20, 21, 22, 23]
     assert slots == [100, 101, 110, 111, 112, 120, 121, 122, -1]
     assert torch.equal(hidden[:, 0], torch.tensor(positions).float() * 0.5)
-    assert p._context_log == [] and p._context_log_tokens == 0
+    assert len(p._context_log) == 0 and p._context_log.num_tokens == 0
     p.before_step(SimpleNamespace(finished_req_ids={"req-3"}, preempted_req_ids=None))
     assert len(p.model.writes) == 1  # nothing logged: nothing written twice
 
@@ -560,7 +563,7 @@ def test_context_writes_of_skipped_steps_are_logged_then_applied_in_order():
     assert [w[1] for w in p.model.writes[1:]] == [[40]]
 
     _skipped_step(p, 50, 1)
-    p._flush_context_log()  # what `_draft_rows` does before the block
+    p._context_log.flush()  # what `_draft_rows` does before the block
     assert [w[1] for w in p.model.writes[2:]] == [[50]]
 
     # A full log is applied when it reaches CONTEXT_LOG_TOKENS.
@@ -571,10 +574,10 @@ def test_context_writes_of_skipped_steps_are_logged_then_applied_in_order():
 
 
 def test_context_writes_are_immediate_where_blocks_free_mid_request():
-    """A sliding-window drafter or a hybrid target (`_log_context` False): every skipped
+    """A sliding-window drafter or a hybrid target (the log not deferred): every skipped
     step's context K/V is written in that step."""
     p = _logging_proposer(log_context=False)
     _skipped_step(p, 0, 3)
     _skipped_step(p, 3, 2)
     assert [w[1] for w in p.model.writes] == [[0, 1, 2], [3, 4]]
-    assert p._context_log == []
+    assert len(p._context_log) == 0

@@ -157,7 +157,7 @@ def test_fp8_head_scores_kernel_matches_ref(N, V, H, hidden_dtype):
     head[V - 1] *= 10  # the last row sits in the partial tile and has its own scale
     hidden = hidden.to(hidden_dtype)
     fp8 = FP8Head.from_head(head)
-    out = fp8_head_scores(hidden, fp8, force_triton=True)  # [N, V]
+    out = fp8_head_scores(hidden, fp8, use_triton=True)  # [N, V]
     ref = fp8_head_scores_ref(hidden, fp8)
     assert out.shape == (N, V) and out.dtype == torch.float32
     # Same fp32 products, different summation order: ~1e-7 relative to the scores' RMS.
@@ -169,6 +169,6 @@ def test_fp8_head_scores_kernel_matches_ref(N, V, H, hidden_dtype):
 def test_retrieve_candidates_through_kernel_matches_ref_path():
     head, hidden = _head_and_hidden(1000, 96, 6, seed=5)
     fp8 = FP8Head.from_head(head)
-    via_kernel = retrieve_candidates(hidden, head, 16, 128, fp8, mode="fp8", force_triton=True)
+    via_kernel = retrieve_candidates(hidden, head, 16, 128, fp8, mode="fp8", use_triton=True)
     via_ref = retrieve_candidates(hidden, head, 16, 128, fp8, mode="fp8")
     assert torch.equal(via_kernel, via_ref)

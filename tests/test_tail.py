@@ -9,7 +9,9 @@ import torch
 from vllm_dspine.kernels.bridge_ref import BridgeWeights, bridge_read_ref
 from vllm_dspine.kernels.retrieval import retrieve_candidates
 from vllm_dspine.kernels.tail import (
+    LastWriteInputs,
     TailTables,
+    TailWeights,
     refine_last_write,
     serial_tail,
     tail_score_tables,
@@ -21,7 +23,8 @@ NORM_EPS = 1e-6
 
 def make_case(R, B, H, C, M, V, k, seed, head_dtype=torch.float32):
     """Random drafter weights and a last-layer state, with codes read by the bridge and
-    candidates retrieved from the unrefined final state (as the proposer does)."""
+    candidates retrieved from the unrefined final state (as the proposer does): the
+    tail's three arguments by name (inputs, cand_ids, weights)."""
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape, scale=1.0):
@@ -52,18 +55,26 @@ def make_case(R, B, H, C, M, V, k, seed, head_dtype=torch.float32):
                                  tokens.reshape(-1), is_anchor.reshape(-1), weights.eps)
     final = rms_norm_ref(x_last[:, 1:].reshape(-1, H), norm_weight, NORM_EPS)
     cand_ids = retrieve_candidates(final, head, k, k, mode="bf16").view(R, B - 1, k)
-    return dict(x_last=x_last, codes=codes.view(R, B, C), rms=rms.view(R, B),
-                cand_ids=cand_ids, anchor_ids=anchor_ids, weights=weights,
-                norm_weight=norm_weight, norm_eps=NORM_EPS, head_weight=head)
+    inputs = LastWriteInputs(pre_write_state=x_last, codes=codes.view(R, B, C),
+                             rms=rms.view(R, B), anchor_ids=anchor_ids)
+    return dict(inputs=inputs, cand_ids=cand_ids,
+                weights=TailWeights(bridge=weights, norm_weight=norm_weight,
+                                    norm_eps=NORM_EPS, head_weight=head))
+
+
+def build_tables(case, dtype=torch.float32):
+    w = case["weights"]
+    return TailTables.build(w.bridge, w.head_weight, w.norm_weight, dtype=dtype)
 
 
 def brute_force_scores(case):
     """Every (row, predecessor, candidate) by loops, float64, from the formula in DESIGN
     section 1.5 written out here independently of the library."""
-    w = case["weights"]
-    x, codes, rms = case["x_last"].double(), case["codes"].double(), case["rms"].double()
-    cand, anchor = case["cand_ids"], case["anchor_ids"]
-    head, g = case["head_weight"].double(), case["norm_weight"].double()
+    inp, tw = case["inputs"], case["weights"]
+    w = tw.bridge
+    x, codes, rms = inp.pre_write_state.double(), inp.codes.double(), inp.rms.double()
+    cand, anchor = case["cand_ids"], inp.anchor_ids
+    head, g = tw.head_weight.double(), tw.norm_weight.double()
     G, Gp, A = w.gate_recv.double(), w.gate_pred.double(), w.value.double()
     b, W, E = w.gate_bias.double(), w.write[-1].double(), w.codebook.double()
     R, K, k = cand.shape
@@ -76,7 +87,7 @@ def brute_force_scores(case):
                 pred = math.sqrt(C) * E[u]
                 m = torch.sigmoid(G @ codes[r, t] + Gp @ pred + b) * (A @ pred)
                 x_new = x[r, t] + rms[r, t] * (W @ m)
-                y = x_new / torch.sqrt((x_new * x_new).sum() / H + case["norm_eps"]) * g
+                y = x_new / torch.sqrt((x_new * x_new).sum() / H + tw.norm_eps) * g
                 for j in range(k):
                     S[r, t - 1, i, j] = torch.dot(head[int(cand[r, t - 1, j])], y)
     return S
@@ -104,8 +115,8 @@ def test_greedy_walk_equals_brute_force(head_dtype):
     case = make_case(R=3, B=6, H=64, C=32, M=16, V=300, k=8, seed=0, head_dtype=head_dtype)
     S_brute = brute_force_scores(case)
     expected = brute_force_greedy(S_brute, case["cand_ids"])
-    tables = TailTables.build(case["weights"], case["head_weight"], case["norm_weight"])
-    R = case["anchor_ids"].shape[0]
+    tables = build_tables(case)
+    R = case["inputs"].anchor_ids.shape[0]
     for tab in (None, tables):
         S = tail_score_tables(**case, tables=tab)
         assert S.dtype == torch.float32
@@ -132,8 +143,7 @@ def test_greedy_walk_equals_brute_force(head_dtype):
 ])
 def test_tables_path_equals_direct_path(R, B, k, dtype):
     case = make_case(R=R, B=B, H=96, C=64, M=32, V=500, k=k, seed=1)
-    tables = TailTables.build(case["weights"], case["head_weight"], case["norm_weight"],
-                              dtype=dtype)
+    tables = build_tables(case, dtype=dtype)
     direct = tail_score_tables(**case, dtype=dtype)
     fast = tail_score_tables(**case, tables=tables, dtype=dtype)
     assert direct.shape == fast.shape == (R, B - 1, k, k)
@@ -165,6 +175,6 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="block_size - 1"):
         tail_score_tables(**bad)
     other = make_case(R=2, B=4, H=64, C=32, M=16, V=200, k=8, seed=4)
-    tables = TailTables.build(other["weights"], other["head_weight"], other["norm_weight"])
+    tables = build_tables(other)
     with pytest.raises(ValueError, match="rebuild them"):
         tail_score_tables(**case, tables=tables)

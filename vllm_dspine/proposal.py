@@ -4,7 +4,8 @@
 
 For every draft position the verifier needs the drafted token, the candidate ids and
 the probabilities of the distribution the token was actually drawn from (`draft_probs`
-in the verifier's words). The lead flattens `[R, K, ...]` to `[num_tokens, ...]`.
+in the verifier's words). On its way to verification vLLM's runner gathers it per request
+into `[num_tokens, ...]` rows (`proposer/sparse_q.py`).
 """
 
 from __future__ import annotations

@@ -4,9 +4,12 @@
     N rows to score (num_tokens: proposal rows of all requests), H hidden size,
     V vocabulary size, k = head_topk (16), n = coarse_topk (128).
 
-`retrieve_candidates` is the public entry. The FP8 coarse scores come from
-`fp8_head_scores_kernel` on CUDA and from `fp8_head_scores_ref` (retrieval_ref.py)
-on CPU; `force_triton=True` runs the kernel on CPU tensors under TRITON_INTERPRET=1.
+`retrieve_candidates` is the public entry, and this module is what callers import
+(`FP8Head` included); it reads the reference module, never the other way round. The FP8
+coarse scores come from `fp8_head_scores_kernel` on CUDA and from `fp8_head_scores_ref`
+(retrieval_ref.py) on CPU; `use_triton=True` runs the kernel on CPU tensors under
+TRITON_INTERPRET=1 (`use_triton=None`: CUDA -> kernel, CPU -> reference, as in
+bridge.py and verify/sparse_rejection.py).
 """
 
 from __future__ import annotations
@@ -113,12 +116,13 @@ def fp8_head_scores_fwd(
 def fp8_head_scores(
     hidden: torch.Tensor,  # [N, H]
     fp8_head: FP8Head,
-    force_triton: bool = False,
+    use_triton: bool | None = None,
 ) -> torch.Tensor:
     """Approximate logits over the whole vocabulary with the FP8 head.  -> [N, V] fp32
 
-    CUDA tensors (or `force_triton=True`, e.g. on CPU under TRITON_INTERPRET=1) run the
-    Triton kernel; CPU tensors otherwise run the dequantizing reference.
+    use_triton None: CUDA tensors run the Triton kernel, CPU tensors the dequantizing
+    reference; True: the kernel (on CPU tensors under TRITON_INTERPRET=1); False: the
+    reference.
     """
     if hidden.ndim != 2 or hidden.shape[1] != fp8_head.hidden_size:
         raise ValueError(f"hidden must be [num_tokens, {fp8_head.hidden_size}], got shape "
@@ -126,7 +130,9 @@ def fp8_head_scores(
     if hidden.device != fp8_head.weight.device:
         raise ValueError(f"hidden is on {hidden.device} but the FP8 head is on "
                          f"{fp8_head.weight.device}; build FP8Head on the model's device")
-    if hidden.is_cuda or force_triton:
+    if use_triton is None:
+        use_triton = hidden.is_cuda
+    if use_triton:
         if not HAS_TRITON:
             raise ValueError("the FP8 head kernel needs triton; install it or use mode='bf16'")
         # Triton 3.9's interpreter computes bf16 tl.dot wrongly (results ~1e10 off, seen
@@ -179,7 +185,7 @@ def retrieve_candidates(
     coarse_topk: int,
     fp8_head: FP8Head | None = None,
     mode: str = "auto",
-    force_triton: bool = False,
+    use_triton: bool | None = None,
     coarse_head: torch.Tensor | None = None,  # [V, H] bf16 copy of an fp32 head
     head_matmul: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
@@ -194,7 +200,7 @@ def retrieve_candidates(
     `head_topk` unless bf16 rounding pushes one of them below the `coarse_topk`-th.
     `head_matmul`, when given, computes that full-vocabulary product `x @ head_weight.T`
     (`cpu_gemm.FixedWeightMatmul`: vLLM's oneDNN path on CPU, 2.2-4x faster than
-    torch's at 2-16 rows, bench/bench_cpu_ops.py).
+    torch's at 2-16 rows, bench/bench_cpu_ops.py). `use_triton`: see `fp8_head_scores`.
     mode "auto": "fp8" where an FP8Head is given and the device has FP8 support (CUDA,
     sm >= 8.9), else "bf16".  Returns cand_ids [N, head_topk] int64.
     """
@@ -212,7 +218,7 @@ def retrieve_candidates(
         if fp8_head.weight.shape != head_weight.shape:
             raise ValueError(f"FP8Head is {tuple(fp8_head.weight.shape)} but the head is "
                              f"{tuple(head_weight.shape)}; rebuild it from this head")
-        coarse = fp8_head_scores(final_hidden, fp8_head, force_triton)  # [N, V]
+        coarse = fp8_head_scores(final_hidden, fp8_head, use_triton)  # [N, V]
         coarse_ids = coarse.topk(coarse_topk, dim=1, sorted=False).indices  # [N, n]
         return _sort_by_exact_score(final_hidden, head_weight, coarse_ids, head_topk)
     # BF16 path: the full-vocabulary product in the head's dtype (what the target's own

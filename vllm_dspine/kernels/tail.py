@@ -4,12 +4,15 @@
     R requests, B block rows (row 0 = anchor), K = B - 1 proposal rows,
     k = head_topk candidates per row, H hidden, C code width, M message width, V vocab.
 
+Inputs, each one value: `LastWriteInputs` (the drafter's last layer, per request's
+block), the candidates `cand_ids` [R, K, k] (retrieval), `TailWeights` (loaded once).
 Steps, in order (`refine_last_write` runs them all):
 1. `tail_score_tables`: S [R, K, k, k], S[r, t-1, i, j] = score of candidate j of row t
    when row t's predecessor is candidate i of row t-1 (the anchor for t = 1). With
    `TailTables` this costs M-wide work per pair; without, the direct H-wide formula of
    `tail_ref.py` runs.
-2. `serial_tail`: the greedy walk or the sampled chain through S, per request.
+2. `serial_tail`: the greedy walk or the sampled chain through S, per request; its
+   output is the `SparseProposal` (proposal.py) handed to verification.
 
 Nothing here is a Triton kernel: the work per pair is small, batched torch ops serve
 CPU and CUDA alike.
@@ -25,14 +28,17 @@ import torch
 
 from vllm_dspine.kernels.bridge_ref import BridgeWeights
 from vllm_dspine.kernels.tail_ref import (
+    LastWriteInputs,
+    TailWeights,
     check_tail_inputs,
     predecessor_candidates,
     tail_score_tables_ref,
 )
 from vllm_dspine.proposal import SparseProposal
 
-__all__ = ["SAMPLING_EPS", "TailTables", "tail_score_tables", "filter_candidate_probs",
-           "serial_tail", "refine_last_write"]
+__all__ = ["SAMPLING_EPS", "LastWriteInputs", "TailWeights", "TailTables",
+           "tail_score_tables", "filter_candidate_probs", "serial_tail",
+           "continuous_score_tables", "refine_last_write"]
 
 # vLLM's `_SAMPLING_EPS`: a temperature below it is greedy.
 SAMPLING_EPS = 1e-5
@@ -101,15 +107,9 @@ def _no_tf32():
 
 
 def _tail_score_tables_fast(
-    x_last: torch.Tensor,  # [R, B, H]
-    codes: torch.Tensor,  # [R, B, C]
-    rms: torch.Tensor,  # [R, B]
+    inputs: LastWriteInputs,
     cand_ids: torch.Tensor,  # [R, K, k]
-    anchor_ids: torch.Tensor,  # [R]
-    weights: BridgeWeights,
-    norm_weight: torch.Tensor,  # [H]
-    norm_eps: float,
-    head_weight: torch.Tensor,  # [V, H]
+    weights: TailWeights,
     tables: TailTables,
     dtype: torch.dtype,
 ) -> torch.Tensor:
@@ -120,44 +120,41 @@ def _tail_score_tables_fast(
         rms(x')^2         = (||x||^2 + 2 r <W_L^T x, m> + r^2 m^T Gram m) / H + eps
     The H-wide terms (<head[v] * g, x>, W_L^T x, ||x||^2) are per row or per candidate.
     """
-    R, B, H = x_last.shape
+    bridge = weights.bridge
+    R, B, H = inputs.pre_write_state.shape
     K, k = B - 1, cand_ids.shape[2]
     M = tables.message_dim
-    scale = math.sqrt(weights.code_dim)
+    scale = math.sqrt(bridge.code_dim)
     ids = cand_ids.long()
-    x = x_last[:, 1:].to(dtype)  # [R, K, H]
-    r = rms[:, 1:].to(dtype)  # [R, K]
-    recv = codes[:, 1:].to(dtype) @ weights.gate_recv.to(dtype).t() \
-        + weights.gate_bias.to(dtype)  # [R, K, M]
-    pe = tables.pred_proj[predecessor_candidates(ids, anchor_ids)].to(dtype)  # [R, K, k, 2M]
+    x = inputs.pre_write_state[:, 1:].to(dtype)  # [R, K, H]
+    r = inputs.rms[:, 1:].to(dtype)  # [R, K]
+    recv = inputs.codes[:, 1:].to(dtype) @ bridge.gate_recv.to(dtype).t() \
+        + bridge.gate_bias.to(dtype)  # [R, K, M]
+    pred_ids = predecessor_candidates(ids, inputs.anchor_ids)  # [R, K, k]
+    pe = tables.pred_proj[pred_ids].to(dtype)  # [R, K, k, 2M]
     m = torch.sigmoid(recv[:, :, None, :] + scale * pe[..., :M]) \
         * (scale * pe[..., M:])  # [R, K, k(u), M]
 
-    head_g = head_weight[ids].to(dtype) * norm_weight.to(dtype)  # [R, K, k(v), H]
+    head_g = weights.head_weight[ids].to(dtype) \
+        * weights.norm_weight.to(dtype)  # [R, K, k(v), H]
     hx = torch.einsum("rtjh,rth->rtj", head_g, x)  # [R, K, k(v)]
     hw = tables.head_write[ids].to(dtype)  # [R, K, k(v), M]
     numer = hx[:, :, None, :] + r[:, :, None, None] * torch.einsum(
         "rtim,rtjm->rtij", m, hw)  # [R, K, k(u), k(v)]
 
-    wtx = x @ weights.write[-1].to(dtype)  # [R, K, M]  W_L^T x
+    wtx = x @ bridge.write[-1].to(dtype)  # [R, K, M]  W_L^T x
     xx = x.pow(2).sum(dim=-1)  # [R, K]
     cross = (m * wtx[:, :, None, :]).sum(dim=-1)  # [R, K, k(u)]
     quad = ((m @ tables.gram.to(dtype)) * m).sum(dim=-1)  # [R, K, k(u)]
     mean_sq = (xx[:, :, None] + 2 * r[:, :, None] * cross
                + r[:, :, None].pow(2) * quad) / H  # [R, K, k(u)]
-    return numer * torch.rsqrt(mean_sq + norm_eps)[..., None]
+    return numer * torch.rsqrt(mean_sq + weights.norm_eps)[..., None]
 
 
 def tail_score_tables(
-    x_last: torch.Tensor,  # [R, B, H]  state after the last layer, before its write
-    codes: torch.Tensor,  # [R, B, C]  that layer's read codes (row 0: sqrt(C) E[anchor])
-    rms: torch.Tensor,  # [R, B]
+    inputs: LastWriteInputs,  # the last layer's state [R, B, ...] and anchors [R]
     cand_ids: torch.Tensor,  # [R, K, k]  candidates of rows 1..K, by exact score
-    anchor_ids: torch.Tensor,  # [R]
-    weights: BridgeWeights,
-    norm_weight: torch.Tensor,  # [H]  final-norm weight g
-    norm_eps: float,
-    head_weight: torch.Tensor,  # [V, H]
+    weights: TailWeights,
     tables: TailTables | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
@@ -169,23 +166,23 @@ def tail_score_tables(
     """
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"tail tables are scored in float32 or float64, got {dtype}")
+    x_last = inputs.pre_write_state
     if cand_ids.ndim != 3 or x_last.ndim != 3 or cand_ids.shape[:2] != (
             x_last.shape[0], x_last.shape[1] - 1):
-        raise ValueError(f"cand_ids must be [num_reqs, block_size - 1, head_topk] for x_last "
-                         f"{tuple(x_last.shape)}, got {tuple(cand_ids.shape)}")
-    check_tail_inputs(x_last, codes, rms, cand_ids, anchor_ids, weights, norm_weight,
-                      head_weight)
+        raise ValueError(f"cand_ids must be [num_reqs, block_size - 1, head_topk] for "
+                         f"pre_write_state {tuple(x_last.shape)}, got "
+                         f"{tuple(cand_ids.shape)}")
+    check_tail_inputs(inputs, cand_ids, weights)
     ctx = _no_tf32() if x_last.is_cuda else contextlib.nullcontext()
     with ctx:
         if tables is None:
-            return tail_score_tables_ref(x_last, codes, rms, cand_ids, anchor_ids, weights,
-                                         norm_weight, norm_eps, head_weight, dtype)
-        if tables.head_write.shape[0] != head_weight.shape[0] \
-                or tables.message_dim != weights.message_dim:
+            return tail_score_tables_ref(inputs, cand_ids, weights, dtype)
+        if tables.head_write.shape[0] != weights.head_weight.shape[0] \
+                or tables.message_dim != weights.bridge.message_dim:
             raise ValueError("TailTables do not fit these weights; rebuild them with "
-                             "TailTables.build(weights, head_weight, norm_weight)")
-        return _tail_score_tables_fast(x_last, codes, rms, cand_ids, anchor_ids, weights,
-                                       norm_weight, norm_eps, head_weight, tables, dtype)
+                             "TailTables.build(weights.bridge, weights.head_weight, "
+                             "weights.norm_weight)")
+        return _tail_score_tables_fast(inputs, cand_ids, weights, tables, dtype)
 
 
 def _softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -360,15 +357,9 @@ def continuous_score_tables(
 
 
 def refine_last_write(
-    x_last: torch.Tensor,  # [R, B, H]
-    codes: torch.Tensor,  # [R, B, C]
-    rms: torch.Tensor,  # [R, B]
+    inputs: LastWriteInputs,
     cand_ids: torch.Tensor,  # [R, K, k]
-    anchor_ids: torch.Tensor,  # [R]
-    weights: BridgeWeights,
-    norm_weight: torch.Tensor,  # [H]
-    norm_eps: float,
-    head_weight: torch.Tensor,  # [V, H]
+    weights: TailWeights,
     temperature: torch.Tensor,  # [R]
     top_k: torch.Tensor | None = None,  # [R]
     top_p: torch.Tensor | None = None,  # [R]
@@ -379,6 +370,5 @@ def refine_last_write(
     """Tables (float64 if any request samples, else float32), then the serial walk."""
     any_sampled = bool((temperature >= SAMPLING_EPS).any())
     dtype = torch.float64 if any_sampled else torch.float32
-    S = tail_score_tables(x_last, codes, rms, cand_ids, anchor_ids, weights, norm_weight,
-                          norm_eps, head_weight, tables, dtype)
+    S = tail_score_tables(inputs, cand_ids, weights, tables, dtype)
     return serial_tail(S, cand_ids, temperature, top_k, top_p, min_p, generators)

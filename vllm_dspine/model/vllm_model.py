@@ -2,18 +2,21 @@
 
 It is vLLM's DFlash Qwen3 drafter (context K/V precomputed from the fused target
 features, block rows as queries, causal inside the block) with the code bridge after
-every layer. The math is `reference_drafter.py`'s; this class only maps it onto vLLM's
-layers, KV cache and flattened batch.
+every layer. The math is `model/drafter.py`'s (`block_forward`); this class only maps
+it onto vLLM's layers, KV cache and flattened batch.
 
 Block layout in the flattened batch (vLLM's DFlash query layout): each request
-contributes `block_size` consecutive rows, anchor first, so row i is an anchor iff
-i % block_size == 0. E.g. B = 4, two requests: [a m m m | b m m m].
+contributes `block_rows` consecutive rows, anchor first, so row i is an anchor iff
+i % block_rows == 0. E.g. B = 4, two requests: [a m m m | b m m m].
+
+Besides its final hidden states the forward produces the tail's inputs
+(`LastWriteInputs`), which reach the proposer through `LastWriteHandover` (below says
+why not as a return value).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,6 +30,7 @@ from vllm.model_executor.models.qwen3_dflash import (
 
 from vllm_dspine.hf_config import dspine_config_of
 from vllm_dspine.kernels.bridge_ref import BridgeWeights
+from vllm_dspine.kernels.tail import LastWriteInputs
 
 
 class _Weight(nn.Module):
@@ -66,13 +70,31 @@ class DSpineBridge(nn.Module):
         )
 
 
-@dataclass
-class LastWriteInputs:
-    """What the serial tail needs from the last layer, for every block row."""
+class LastWriteHandover:
+    """The tail's inputs from one block forward to the proposer that drafts with them.
 
-    pre_write_state: torch.Tensor  # [num_tokens, H]  post-MLP residual before the write
-    codes: torch.Tensor  # [num_tokens, C]  read codes (anchor rows: sqrt(C) E[anchor])
-    rms: torch.Tensor  # [num_tokens]
+    Not a return value because vLLM's DFlash `propose` (the caller of the model's
+    forward) passes on only the final hidden states of the rows it samples, to the
+    proposer's `_sample_draft_tokens` hook; anything else the forward returned would be
+    dropped on the way. So the hand-over is this one slot, with one producer
+    (`DSpineModel.forward` puts) and one consumer (`DSpineProposer._sample_draft_tokens`
+    takes, within the same `propose` call). `take` empties it: a value is read once,
+    and a forward whose drafts are never sampled (vLLM's warm-up and dummy runs) leaves
+    one that the next forward replaces.
+    """
+
+    def __init__(self) -> None:
+        self._inputs: LastWriteInputs | None = None
+
+    def put(self, inputs: LastWriteInputs) -> None:
+        self._inputs = inputs
+
+    def take(self) -> LastWriteInputs:
+        inputs, self._inputs = self._inputs, None
+        if inputs is None:
+            raise RuntimeError("DSpine: no block forward ran since the tail's inputs were "
+                               "last taken")
+        return inputs
 
 
 @ignore_torch_compile
@@ -91,9 +113,10 @@ class DSpineModel(DFlashQwen3Model):
             code_dim=cfg.code_dim, message_dim=cfg.message_dim,
             num_layers=cfg.num_hidden_layers, eps=cfg.bridge_eps,
             dtype=vllm_config.model_config.dtype)
-        self.last_write_inputs: LastWriteInputs | None = None
+        self.last_write = LastWriteHandover()
         # Rows per request of the block being drafted: the proposer sets it per step
-        # (a block's first n + 1 rows when only n drafts can be verified).
+        # (a block's first n + 1 rows when only n drafts can be verified), before vLLM
+        # calls the forward, whose arguments (ids, positions) cannot carry it.
         self.block_rows: int = cfg.block_size
 
     def forward(
@@ -110,8 +133,9 @@ class DSpineModel(DFlashQwen3Model):
         if input_embeds is None:
             input_embeds = self.embed_input_ids(input_ids)
         num_tokens = input_ids.shape[0]
+        B = self.block_rows
         rows = torch.arange(num_tokens, device=input_ids.device)
-        is_anchor = rows % self.block_rows == 0  # [num_tokens]
+        is_anchor = rows % B == 0  # [num_tokens]
         weights = self.bridge.weights()
         last = len(self.layers) - 1
 
@@ -122,7 +146,14 @@ class DSpineModel(DFlashQwen3Model):
             x = hidden + residual  # post-MLP residual
             x_new, codes, rms = code_bridge(x, l, weights, input_ids, is_anchor)
             if l == last:
-                self.last_write_inputs = LastWriteInputs(x, codes, rms)
+                # Whole blocks only: rows past R * B are padding of the batch.
+                R = num_tokens // B
+                n = R * B
+                self.last_write.put(LastWriteInputs(
+                    pre_write_state=x[:n].view(R, B, x.shape[-1]),  # [R, B, H]
+                    codes=codes[:n].view(R, B, codes.shape[-1]),  # [R, B, C]
+                    rms=rms[:n].view(R, B),  # [R, B]
+                    anchor_ids=input_ids[:n:B]))  # [R]  what the bridge read at row 0
             x = x_new
         return self.norm(x)
 

@@ -6,8 +6,17 @@ outputs (`target_layer_ids`) fused by `fc` + `hidden_norm` into draft context K/
 the newly committed positions only (rejected positions are excluded through
 `num_rejected_tokens`), the block of anchor + mask rows as queries, causal attention.
 
+One step, stage by stage, each handing a value to the next:
+  block forward (`model/vllm_model.py`, called by vLLM's `propose`)
+    -> `LastWriteInputs` through the model's `LastWriteHandover` (vLLM passes on only
+       hidden states; the handover's docstring says why) and the final hidden states
+  -> retrieval (`RetrievalHead.candidates`, retrieval_head.py) -> cand_ids [R, K, k]
+  -> tail (`tail_score_tables`, `serial_tail`, kernels/tail.py) -> `SparseProposal`
+  -> packed sparse q, kept for vLLM's `take_last_draft_probs`; drafts back to vLLM;
+     with the dynamic policy the block's confidences back to `propose`.
+
 What this class adds (small overrides of the base class's hooks):
-- `set_inputs_first_pass`: remembers the anchors (the bonus/correction token ids).
+- `set_inputs_first_pass`: tells the model this step's rows per request.
 - `_sample_draft_tokens`: candidates per row, 16 x 16 tables over the last bridge
   write, greedy walk or sampled chain per request; keeps the sparse q.
 - `take_last_draft_probs`: hands the sparse q to vLLM's per-request draft-probs
@@ -23,7 +32,7 @@ What this class adds (small overrides of the base class's hooks):
   drafted (as it does for ngram); vLLM slices each request's cached sparse q to the
   verified prefix. When nothing would be verified, the block forward is skipped and
   only the draft context K/V of the newly committed positions is written (logged, and
-  applied in one batch before the next block: `_store_context_only`).
+  applied in one batch before the next block: `_store_context_only`, context_log.py).
 """
 
 from __future__ import annotations
@@ -39,29 +48,17 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_dspine.hf_config import dspine_config_of
 from vllm_dspine.step_profile import profile, timed
-from vllm_dspine.kernels.cpu_gemm import FixedWeightMatmul
-from vllm_dspine.kernels.retrieval import retrieve_candidates
-from vllm_dspine.kernels.retrieval_ref import FP8Head
-from vllm_dspine.kernels.retrieval import fp8_matmul_available
-from vllm_dspine.kernels.tail import (SAMPLING_EPS, TailTables, continuous_score_tables,
-                                      serial_tail, tail_score_tables)
-from vllm_dspine.proposer.dynamic import (FIXED, GREEDY, SAMPLED, DynamicVerifier,
-                                          FixedCost, draft_confidence)
+from vllm_dspine.kernels.tail import (SAMPLING_EPS, LastWriteInputs, TailTables, TailWeights,
+                                      continuous_score_tables, serial_tail,
+                                      tail_score_tables)
+from vllm_dspine.proposer.calibration import draft_confidence
+from vllm_dspine.proposer.context_log import ContextLog
+from vllm_dspine.proposer.dynamic import AT_CAP, GREEDY, SAMPLED, DynamicVerifier
+from vllm_dspine.proposer.retrieval_head import RetrievalHead
 from vllm_dspine.proposer.sparse_q import pack_sparse_q
+from vllm_dspine.proposer.step_cost import InjectedStepCost
 
 logger = init_logger("vllm.dspine.proposer")  # under "vllm": printed in engine processes
-
-# Logged context K/V writes are applied once they hold this many tokens (or before the
-# next block): a few hundred rows make the projections' weight reads negligible, and
-# the log stays ~3 MB at SmolLM2's 5 x 576 features.
-CONTEXT_LOG_TOKENS = 256
-# An fp32 head (vLLM on CPU) with at most this many retrieval rows is scored in fp32
-# whole; above it a bf16 copy scores coarsely and the best 128 are rescored in fp32.
-# Measured (`python bench/bench_tail.py --dtype fp32 --hidden 576 --code 64 --message 32
-# --vocab V --reqs R --no-docs`, one thread): at 8 x 15 rows, V 6,227: 10.7 vs 37 ms;
-# V 16,384: 35 vs 45 ms; V 49,152: 90 vs 62 ms (the rescore's [rows, 128, H] gather is
-# what the copy costs; it pays only over the large product it saves).
-EXACT_FP32_MAX_VOCAB = 24_576
 
 
 def min_p_of_batch(sampling_metadata: SamplingMetadata, num_reqs: int
@@ -88,14 +85,11 @@ class DSpineProposer(DFlashProposer):
         self.retrieval_mode: str = self.options.get("dspine_retrieval", "auto")
         # False: the no-tail ablation (per-row candidates scored by the continuous logits).
         self.use_tail: bool = self.options.get("dspine_tail", True)
-        self._anchor_ids: torch.Tensor | None = None  # [num_reqs]
-        self._last_sparse_q: torch.Tensor | None = None  # [num_reqs, K, 2k]
-        self._fp8_head: FP8Head | None = None
-        self._coarse_head: torch.Tensor | None = None  # [V, H] bf16 copy of an fp32 head
-        self._retrieval_ids: torch.Tensor | None = None  # [V'] the drafter's retrieval_vocab
-        self._retrieval_head: torch.Tensor | None = None  # [V' or V, H]
-        self._retrieval_matmul: FixedWeightMatmul | None = None
+        # Built at load (`load_model`).
+        self._retrieval: RetrievalHead | None = None
+        self._tail_weights: TailWeights | None = None
         self._tail_tables: TailTables | None = None
+        self._last_sparse_q: torch.Tensor | None = None  # [num_reqs, K, 2k]
         self._debug_dump_dir = os.environ.get("VLLM_DSPINE_DEBUG_DUMP") or None
         # Verification length (docs/dynamic-verification.md).
         K = self.dspine.num_proposals
@@ -111,53 +105,39 @@ class DSpineProposer(DFlashProposer):
         if dynamic and runner is not None:
             cost = self.options.get("dspine_verify_cost")
             self._verifier = DynamicVerifier(
-                K, FixedCost.from_option(cost) if cost else None,
+                K, InjectedStepCost.from_option(cost) if cost else None,
                 max_batch_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
-        self._last_confidence = None  # [num_reqs, K] numpy, for the policy
-        # [num_reqs] bool: requests whose drafts this step may verify (None: all).
+        # The drafted block's confidences [num_reqs, K] (numpy) for the policy, from
+        # `_sample_draft_tokens` to `_draft_rows`, across vLLM's `propose` (which
+        # returns only the drafts); `_draft_rows` takes it.
+        self._block_confidence: np.ndarray | None = None
+        # [num_reqs] bool: requests whose drafts this step may verify (None: all); set
+        # by `propose` around vLLM's `propose` for `_sample_draft_tokens`.
         self._own_stream: np.ndarray | None = None
-        # Context K/V writes of steps without a block, not yet applied (raw target
-        # features [n, L_aux * H], positions [n], slots [n]): `_store_context_only`.
-        self._context_log: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._context_log_tokens = 0
-        # Only where KV blocks are freed at request boundaries alone (which
+        # Context K/V writes of steps without a block (`_store_context_only`). Deferred
+        # only where KV blocks are freed at request boundaries alone (which
         # `before_step` sees): a sliding-window drafter frees blocks mid-request, and a
         # hybrid target's state pages share memory with other groups' blocks.
-        self._log_context = (self.dspine.sliding_window is None
-                             and not vllm_config.model_config.is_hybrid)
+        self._context_log = ContextLog(
+            self._write_context,
+            deferred=(self.dspine.sliding_window is None
+                      and not vllm_config.model_config.is_hybrid))
 
     # ---------------------------------------------------------------- loading
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
         from vllm_dspine.proposer.validation import check_loaded_pair
 
-        head = check_loaded_pair(self.dspine, target_model, self.model)
-        self._head_weight = head  # [V, H], the target's own (shared, never copied)
-        # What retrieval scores: the whole head, or the rows of the drafter's
-        # `retrieval_vocab` (a copy, [V', H]; its candidates are mapped back to ids).
-        vocab = self.dspine.retrieval_vocab
-        self._retrieval_ids = (None if vocab is None else
-                               torch.tensor(vocab, dtype=torch.long, device=head.device))
-        retrieval_head = head if vocab is None else head[self._retrieval_ids].contiguous()
-        self._retrieval_head = retrieval_head  # [V' or V, H]
-        if self.retrieval_mode == "fp8" and not fp8_matmul_available(head.device):
-            raise ValueError(
-                "speculative_config['dspine_retrieval'] = 'fp8' needs FP8 matmul (CUDA, "
-                "compute capability >= 8.9); use 'auto' or 'bf16' on this device")
-        if self.retrieval_mode != "bf16" and fp8_matmul_available(head.device):
-            self._fp8_head = FP8Head.from_head(retrieval_head)
-        elif (head.dtype == torch.float32 and self.retrieval_mode != "fp8"
-              and retrieval_head.shape[0] > EXACT_FP32_MAX_VOCAB):
-            # An fp32 model (CPU): coarse scores from a bf16 copy of the head, the best
-            # coarse_topk rescored with the fp32 head (kernels/retrieval.py). Smaller
-            # heads are scored in fp32 whole: exact, and faster (EXACT_FP32_MAX_VOCAB).
-            self._coarse_head = retrieval_head.to(torch.bfloat16).contiguous()
-        if self._fp8_head is None and self._coarse_head is None:
-            # The whole head is scored in its own dtype: vLLM's oneDNN matmul on CPU
-            # (kernels/cpu_gemm.py), torch's elsewhere.
-            self._retrieval_matmul = FixedWeightMatmul(retrieval_head)
-        bridge = self.model.model.bridge.weights()
-        self._tail_tables = TailTables.build(bridge, head, self.model.model.norm.weight)
+        head = check_loaded_pair(self.dspine, target_model, self.model)  # [V, H]
+        self._retrieval = RetrievalHead.build(head, self.dspine.retrieval_vocab,
+                                              self.retrieval_mode)
+        drafter = self.model.model
+        # The target's own head (shared, never copied), the drafter's bridge and norm.
+        self._tail_weights = TailWeights(
+            bridge=drafter.bridge.weights(), norm_weight=drafter.norm.weight,
+            norm_eps=drafter.norm.variance_epsilon, head_weight=head)
+        self._tail_tables = TailTables.build(self._tail_weights.bridge, head,
+                                             drafter.norm.weight)
         if self._runner is not None:
             from vllm_dspine.proposer.sparse_q import DSpineRejectionSampler
 
@@ -166,16 +146,12 @@ class DSpineProposer(DFlashProposer):
                 runner=self._runner)
         logger.info("DSpine drafter loaded: block %d, %d candidates per row out of %d "
                     "ids, retrieval %s", self.dspine.block_size, self.dspine.head_topk,
-                    retrieval_head.shape[0],
-                    "fp8+rescore" if self._fp8_head is not None else
-                    "bf16 copy of the fp32 head+rescore" if self._coarse_head is not None
-                    else f"{str(head.dtype).replace('torch.', '')} full vocab")
+                    self._retrieval.num_rows, self._retrieval.describe())
 
     # ------------------------------------------------------------------ hooks
     def set_inputs_first_pass(self, target_token_ids, next_token_ids, target_positions,
                               target_hidden_states, token_indices_to_sample, cad,
                               num_rejected_tokens_gpu):
-        self._anchor_ids = next_token_ids[: cad.batch_size()]
         # Rows per request of this step's block (the model finds its anchors with it).
         self.model.model.block_rows = 1 + self.num_speculative_tokens
         return super().set_inputs_first_pass(
@@ -188,11 +164,14 @@ class DSpineProposer(DFlashProposer):
         sampling_metadata: SamplingMetadata,
     ) -> tuple[torch.Tensor, None]:
         with timed("retrieval_tail"):
-            return self._retrieve_and_walk(hidden_states, sampling_metadata)
+            # What the block forward vLLM just ran handed over (vllm_model.py).
+            last_write = self.model.model.last_write.take()
+            return self._retrieve_and_walk(hidden_states, last_write, sampling_metadata)
 
     def _retrieve_and_walk(
         self,
         hidden_states: torch.Tensor,  # [num_reqs * K, H]  final-normed proposal rows
+        last_write: LastWriteInputs,  # [R', B, ...], R' >= num_reqs (a padded batch)
         sampling_metadata: SamplingMetadata,
     ) -> tuple[torch.Tensor, None]:
         """Candidates, the tail's tables and walk, the sparse q (and the policy's
@@ -200,75 +179,66 @@ class DSpineProposer(DFlashProposer):
         cfg = self.dspine
         # This step's block: anchor + K drafts per request (K <= the config's 15).
         K, k = self.num_speculative_tokens, cfg.head_topk
-        B = K + 1
         num_reqs = hidden_states.shape[0] // K
-        lw = self.model.model.last_write_inputs
-        assert lw is not None and self._anchor_ids is not None
-        H = lw.pre_write_state.shape[-1]
-        rows = num_reqs * B
-        x_last = lw.pre_write_state[:rows].view(num_reqs, B, H)
-        codes = lw.codes[:rows].view(num_reqs, B, -1)
-        rms = lw.rms[:rows].view(num_reqs, B)
-
-        cand_ids = retrieve_candidates(
-            hidden_states, self._retrieval_head, k, cfg.coarse_topk, self._fp8_head,
-            mode="auto" if self._fp8_head is not None else "bf16",
-            coarse_head=self._coarse_head,
-            head_matmul=self._retrieval_matmul).view(num_reqs, K, k)
-        if self._retrieval_ids is not None:
-            cand_ids = self._retrieval_ids[cand_ids]  # rows of the sub-head -> token ids
-
-        device = hidden_states.device
-        if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
-            temperature = torch.zeros(num_reqs, dtype=torch.float32, device=device)
-            top_k = top_p = min_p = None
-            generators = None
-        else:
-            temperature = sampling_metadata.temperature[:num_reqs].float()
-            top_k = (None if sampling_metadata.top_k is None
-                     else sampling_metadata.top_k[:num_reqs])
-            top_p = (None if sampling_metadata.top_p is None
-                     else sampling_metadata.top_p[:num_reqs].float())
-            min_p = min_p_of_batch(sampling_metadata, num_reqs)
-            min_p = None if min_p is None else min_p.to(device)
-            # A request still in a chunked prefill gets drafts vLLM will discard: draw
-            # them from the global RNG so its own seeded stream does not depend on
-            # how its prompt was chunked.
-            discarded = (self._runner.discard_request_mask.np[:num_reqs]
-                         if self._runner is not None else [False] * num_reqs)
-            # A seeded request whose drafts this step will not verify (its own length
-            # rule gave 0) draws from the global RNG too: whether the block runs at all
-            # depends on the rest of the batch, its seeded stream must not.
-            own = self._own_stream
-            generators = [None if discarded[i] or (own is not None and not own[i])
-                          else sampling_metadata.generators.get(i)
-                          for i in range(num_reqs)]
+        inputs = last_write.first_requests(num_reqs)
+        assert inputs.pre_write_state.shape[:2] == (num_reqs, K + 1), (
+            inputs.pre_write_state.shape, num_reqs, K)
+        cand_ids = self._retrieval.candidates(hidden_states, k, cfg.coarse_topk
+                                              ).view(num_reqs, K, k)
+        temperature, top_k, top_p, min_p, generators = self._sampling_of_batch(
+            sampling_metadata, num_reqs, hidden_states.device)
 
         if self.use_tail:
             # `refine_last_write`, with the tables kept for the policy's confidence.
             any_sampled = bool((temperature >= SAMPLING_EPS).any())
-            S = tail_score_tables(
-                x_last, codes, rms, cand_ids, self._anchor_ids[:num_reqs].long(),
-                self.model.model.bridge.weights(), self.model.model.norm.weight,
-                self.model.model.norm.variance_epsilon, self._head_weight,
-                self._tail_tables, torch.float64 if any_sampled else torch.float32)
+            S = tail_score_tables(inputs, cand_ids, self._tail_weights, self._tail_tables,
+                                  torch.float64 if any_sampled else torch.float32)
         else:
             dtype = torch.float64 if bool((temperature > 0).any()) else torch.float32
             S = continuous_score_tables(hidden_states.view(num_reqs, K, -1), cand_ids,
-                                        self._head_weight, dtype)
+                                        self._tail_weights.head_weight, dtype)
         # Seeded requests draw the full block's uniforms whatever rows run this step.
         proposal = serial_tail(S, cand_ids, temperature, top_k, top_p, min_p, generators,
                                draws_per_request=cfg.num_proposals)
         self._last_sparse_q = pack_sparse_q(proposal.cand_ids, proposal.cand_probs)
         if self._verifier is not None:
-            self._last_confidence = draft_confidence(
+            self._block_confidence = draft_confidence(
                 S, proposal.cand_ids, proposal.cand_probs, proposal.draft_token_ids,
                 temperature < SAMPLING_EPS).cpu().numpy()
         if self._debug_dump_dir:
-            self._debug_dump(num_reqs, hidden_states, cand_ids, proposal)
+            self._debug_dump(num_reqs, hidden_states, inputs.anchor_ids, cand_ids, proposal)
         return proposal.draft_token_ids.reshape(-1), None
 
-    def _debug_dump(self, num_reqs, hidden_states, cand_ids, proposal) -> None:
+    def _sampling_of_batch(self, sampling_metadata: SamplingMetadata, num_reqs: int,
+                           device: torch.device):
+        """The tail's sampling settings per request: temperature [num_reqs] (0: greedy),
+        top_k, top_p, min_p [num_reqs] or None, and one generator (or None: the global
+        RNG) per request."""
+        if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
+            temperature = torch.zeros(num_reqs, dtype=torch.float32, device=device)
+            return temperature, None, None, None, None
+        temperature = sampling_metadata.temperature[:num_reqs].float()
+        top_k = (None if sampling_metadata.top_k is None
+                 else sampling_metadata.top_k[:num_reqs])
+        top_p = (None if sampling_metadata.top_p is None
+                 else sampling_metadata.top_p[:num_reqs].float())
+        min_p = min_p_of_batch(sampling_metadata, num_reqs)
+        min_p = None if min_p is None else min_p.to(device)
+        # A request still in a chunked prefill gets drafts vLLM will discard: draw
+        # them from the global RNG so its own seeded stream does not depend on
+        # how its prompt was chunked.
+        discarded = (self._runner.discard_request_mask.np[:num_reqs]
+                     if self._runner is not None else [False] * num_reqs)
+        # A seeded request whose drafts this step will not verify (its own length
+        # rule gave 0) draws from the global RNG too: whether the block runs at all
+        # depends on the rest of the batch, its seeded stream must not.
+        own = self._own_stream
+        generators = [None if discarded[i] or (own is not None and not own[i])
+                      else sampling_metadata.generators.get(i)
+                      for i in range(num_reqs)]
+        return temperature, top_k, top_p, min_p, generators
+
+    def _debug_dump(self, num_reqs, hidden_states, anchor_ids, cand_ids, proposal) -> None:
         """Writes one step's drafter inputs/outputs (tests compare them with the
         reference drafter). Only with VLLM_DSPINE_DEBUG_DUMP=dir; never in serving."""
         B = self.num_speculative_tokens + 1  # this step's rows per request
@@ -276,7 +246,7 @@ class DSpineProposer(DFlashProposer):
         self._dump_step = getattr(self, "_dump_step", 0) + 1
         torch.save({
             "req_ids": req_ids,
-            "anchor_ids": self._anchor_ids[:num_reqs].cpu(),
+            "anchor_ids": anchor_ids.cpu(),
             "anchor_positions": self.positions[: num_reqs * B: B].cpu(),
             "final_hidden": hidden_states.float().cpu(),  # [num_reqs * K, H]
             "cand_ids": cand_ids.cpu(),
@@ -312,7 +282,7 @@ class DSpineProposer(DFlashProposer):
             if step_cap == 0:
                 self._store_context_only(inputs)
                 return torch.empty(num_reqs, 0, dtype=torch.int64, device=self.device)
-            return self._draft_rows(step_cap, inputs)
+            return self._draft_rows(step_cap, inputs)[0]
 
         runner = self._runner
         req_ids = list(runner.input_batch.req_ids[:num_reqs])
@@ -330,22 +300,27 @@ class DSpineProposer(DFlashProposer):
             return [[] for _ in range(num_reqs)]
         self._own_stream = plan.caps > 0
         try:
-            drafts = self._draft_rows(max(1, min(plan.rows, step_cap)), inputs).tolist()
+            drafts, confidence = self._draft_rows(max(1, min(plan.rows, step_cap)), inputs)
         finally:
             self._own_stream = None
-        lengths = v.choose(req_ids, kinds, caps, self._last_confidence, plan)
+        lengths = v.choose(req_ids, kinds, caps, confidence, plan)
         v.end(req_ids, drafted=True)
-        return [row[:int(n)] for row, n in zip(drafts, lengths)]
+        return [row[:int(n)] for row, n in zip(drafts.tolist(), lengths)]
 
-    def _draft_rows(self, n: int, inputs: dict) -> torch.Tensor:
+    def _draft_rows(self, n: int, inputs: dict) -> tuple[torch.Tensor, np.ndarray | None]:
         """vLLM's DFlash `propose` for a block of anchor + n drafts per request (its
-        `num_speculative_tokens` is the block's row count minus one) -> [num_reqs, n]."""
+        `num_speculative_tokens` is the block's row count minus one) -> drafts
+        [num_reqs, n], and the drafts' confidences [num_reqs, n] for the dynamic policy
+        (None without it)."""
         prof = profile()
         t0 = prof.now() if prof is not None else 0.0
         r0 = prof.seconds["retrieval_tail"] if prof is not None else 0.0
         try:
-            self._flush_context_log()  # the block reads every earlier context write
-            return super().propose(n, **inputs)
+            self._context_log.flush()  # the block reads every earlier context write
+            self._block_confidence = None
+            drafts = super().propose(n, **inputs)
+            confidence, self._block_confidence = self._block_confidence, None
+            return drafts, confidence
         finally:
             # vLLM's warm-up and dummy runs read it: keep the configured block.
             self.num_speculative_tokens = self.dspine.num_proposals
@@ -355,9 +330,10 @@ class DSpineProposer(DFlashProposer):
 
     def _kinds_and_caps(self, states, step_cap: int, verified: list[int],
                         rejected: list[int] | None) -> tuple[np.ndarray, np.ndarray]:
-        """Per request: GREEDY / SAMPLED / FIXED (sampled with its own seed) and the most
-        drafts it may verify next step (0 while its prompt is still being prefilled;
-        and no more than its remaining max_tokens can use)."""
+        """Per request: GREEDY / SAMPLED / AT_CAP (sampled with its own seed: its cap
+        becomes its own history's length, `SeededLengthRule`) and the most drafts it may
+        verify next step (0 while its prompt is still being prefilled; and no more than
+        its remaining max_tokens can use)."""
         from vllm.sampling_params import SamplingType
 
         n = len(states)
@@ -371,7 +347,7 @@ class DSpineProposer(DFlashProposer):
             if sp is None or sp.sampling_type == SamplingType.GREEDY:
                 kinds[i] = GREEDY
             elif st.generator is not None:
-                kinds[i] = FIXED
+                kinds[i] = AT_CAP
             cap = step_cap
             if sp is not None and sp.max_tokens is not None:
                 committed = 1 if rejected is None else verified[i] - int(rejected[i]) + 1
@@ -386,13 +362,10 @@ class DSpineProposer(DFlashProposer):
         these; a block's own rows are scratch that the next step's context overwrites.
 
         Where blocks are freed only when requests finish or are preempted, the write is
-        logged, not run: `_flush_context_log` applies the log in order before the next
-        block reads the cache (`_draft_rows`), before a step whose scheduler freed
-        blocks (`before_step`: its forward may write into them), or once the log holds
-        CONTEXT_LOG_TOKENS. Applied in order, a slot written twice ends as the eager
-        writes would leave it. Batched, the fc and K/V projections read their weights
-        once for many steps' tokens: the context-only path runs one or a few tokens a
-        step, and at that size it costs the projections' weight reads."""
+        logged, not run (`ContextLog`, context_log.py): the log is applied in order
+        before the next block reads the cache (`_draft_rows`), before a step whose
+        scheduler freed blocks (`before_step`: its forward may write into them), or once
+        it holds CONTEXT_LOG_TOKENS."""
         with timed("draft_forward"):
             self.num_speculative_tokens = self.dspine.num_proposals  # the kernel's layout
             # vLLM's own layout kernel: positions and slots of the newly committed tokens
@@ -406,29 +379,15 @@ class DSpineProposer(DFlashProposer):
             hidden = inputs["target_hidden_states"][:n]  # [n, L_aux * H] raw features
             positions = self._context_positions_buffer[:n]  # [n]
             slots = self._context_slot_mapping_buffer[:n]  # [n]
-            if not self._log_context:  # eager: written now, nothing kept
-                self._write_context(hidden, positions, slots)
-            else:  # kept past this step: copies (the buffers are reused)
-                self._context_log.append((hidden.clone(), positions.clone(), slots.clone()))
-                self._context_log_tokens += n
-                if self._context_log_tokens >= CONTEXT_LOG_TOKENS:
-                    self._flush_context_log()
+            self._context_log.add(hidden, positions, slots)
         self._last_sparse_q = None
-        self._last_confidence = None
 
     def before_step(self, scheduler_output) -> None:
         """Called before each engine step runs (patch 11): blocks freed since the last
         step may be written by this step's forward, so the logged writes go first."""
-        if self._context_log and (scheduler_output.finished_req_ids
-                                  or scheduler_output.preempted_req_ids):
-            self._flush_context_log()
-
-    def _flush_context_log(self) -> None:
-        """Writes the logged context K/V (oldest first, as one batch)."""
-        if not self._context_log:
-            return
-        log, self._context_log, self._context_log_tokens = self._context_log, [], 0
-        self._write_context(*(torch.cat(parts) for parts in zip(*log)))
+        if len(self._context_log) and (scheduler_output.finished_req_ids
+                                       or scheduler_output.preempted_req_ids):
+            self._context_log.flush()
 
     def _write_context(self, hidden: torch.Tensor, positions: torch.Tensor,
                        slots: torch.Tensor) -> None:
