@@ -165,7 +165,7 @@ def trained_pair(tmp_path_factory):
     """The hybrid pair (same target bytes as `pair_dir`) with its drafter distilled from
     the target for a short while, so that drafts are accepted (~0.3 tokens a block) and
     the replay commits more than one position on some steps."""
-    from vllm_dspine.train.distill import TrainSettings, train_tiny_drafter
+    from vllm_dspine.train.tiny_drafter import TrainSettings, train_tiny_drafter
 
     assert _qwen3_5_importable()
     pair = write_hybrid_pair(str(tmp_path_factory.mktemp("hybrid_trained")), seed=0)

@@ -9,7 +9,7 @@ from naive_drafter import NaiveDrafter
 from vllm_dspine.model.checkpoint import load_draft_checkpoint, random_draft_tensors
 from vllm_dspine.model.drafter import block_forward
 from vllm_dspine.pairs.tiny import draft_config, write_tiny_pair
-from vllm_dspine.train.distill import TrainSettings, train_tiny_drafter
+from vllm_dspine.train.tiny_drafter import TrainSettings, train_tiny_drafter
 from vllm_dspine.train.target_data import (generate_text, generate_with_features,
                                            target_features)
 
@@ -153,7 +153,7 @@ def test_same_seed_same_tensors(trained):
 
 
 def test_write_tiny_pair_trained_calls_trainer(tmp_path, monkeypatch):
-    import vllm_dspine.train.distill as train_tiny
+    import vllm_dspine.train.tiny_drafter as train_tiny
 
     calls = []
     real = train_tiny.train_tiny_drafter

@@ -7,28 +7,59 @@ import json
 import os
 import sys
 
-# Written last into DIR: what was made there and with which arguments. A folder whose
-# record matches the request is complete and is reused as it is.
+# Written last into DIR: what was made there, with which arguments, and every file it
+# holds (path and size). A folder is complete, and reused as it is, only when its record
+# matches the request and every listed file is still there with its size: a folder whose
+# `draft/` was removed is made again.
 RECORD = "pair.json"
+# Kept out of the file list: the download cache (shared, may be pruned by the user).
+_UNLISTED = ("cache",)
 
 
-def _complete(out: str, record: dict) -> bool:
+def _files(out: str) -> dict[str, int]:
+    """Every file under `out` (but the record and the cache): relative path -> bytes."""
+    listed = {}
+    for root, dirs, names in os.walk(out):
+        if root == out:
+            dirs[:] = [d for d in dirs if d not in _UNLISTED]
+        for name in names:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, out)
+            if rel != RECORD:
+                listed[rel] = os.path.getsize(path)
+    return dict(sorted(listed.items()))
+
+
+def _complete(out: str, request: dict) -> str | None:
+    """None when `out` holds a complete pair for `request`; else why not."""
     path = os.path.join(out, RECORD)
     if not os.path.isfile(path):
-        return False
+        return f"no {RECORD}"
     with open(path) as f:
-        return json.load(f) == record
+        record = json.load(f)
+    files = record.pop("files", None)
+    if record != request:
+        return f"{RECORD} was written for {record}"
+    if not files:
+        return f"{RECORD} lists no files"
+    for rel, size in files.items():
+        full = os.path.join(out, rel)
+        if not os.path.isfile(full):
+            return f"{rel} is missing"
+        if os.path.getsize(full) != size:
+            return f"{rel} has {os.path.getsize(full)} bytes, {size} were written"
+    return None
 
 
-def _write_record(out: str, record: dict) -> None:
+def _write_record(out: str, request: dict) -> None:
     with open(os.path.join(out, RECORD), "w") as f:
-        json.dump(record, f, indent=2, sort_keys=True)
+        json.dump({**request, "files": _files(out)}, f, indent=2, sort_keys=True)
         f.write("\n")
 
 
 def _make_tiny(out: str, args: argparse.Namespace) -> dict:
     from vllm_dspine.pairs.tiny import write_tiny_pair
-    from vllm_dspine.train.distill import train_tiny_drafter
+    from vllm_dspine.train.tiny_drafter import train_tiny_drafter
 
     pair = write_tiny_pair(out, seed=args.seed, habit=args.habit)
     stats = train_tiny_drafter(pair.target_dir, pair.draft_dir, seed=args.seed,
@@ -51,7 +82,7 @@ def _make_hybrid(out: str, args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vllm_dspine.train.distill import TrainSettings
+    from vllm_dspine.train.tiny_drafter import TrainSettings
 
     ap = argparse.ArgumentParser(prog="python -m vllm_dspine.pairs",
                                  description="Write a target + DSpine drafter pair.")
@@ -78,9 +109,12 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_dspine.pairs.smollm2 import committed_drafter_digest
 
         record = {"name": "smollm2", "drafters_sha256": committed_drafter_digest()}
-    if _complete(out, record):
-        print(f"{out}: complete ({RECORD} matches), reused")
+    why_not = _complete(out, record)
+    if why_not is None:
+        print(f"{out}: complete ({RECORD} and every file it lists), reused")
     else:
+        if os.path.exists(os.path.join(out, RECORD)):
+            print(f"{out}: not complete ({why_not}), making it again")
         os.makedirs(out, exist_ok=True)
         try:
             make = {"tiny": _make_tiny, "smollm2": _make_smollm2, "hybrid": _make_hybrid}

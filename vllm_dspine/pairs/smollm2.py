@@ -356,7 +356,8 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> str:
 
 
 # The project's trained drafter for this target, committed with the package (bf16,
-# with its training record): `python -m vllm_dspine.train.smollm2` made it.
+# with its training record, whose stages hold the `python -m vllm_dspine.train` commands
+# that made it; docs/smollm2-drafter.md).
 COMMITTED_DRAFTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafters",
                                  "smollm2")
 
@@ -388,7 +389,8 @@ def write_smollm2_pair(out: str, cache_dir: str | None = None,
     if not os.path.isfile(os.path.join(drafter, "config.json")):
         raise FileNotFoundError(
             f"no trained SmolLM2 drafter at {drafter}; train one with "
-            f"`python -m vllm_dspine.train.smollm2 --work DIR --out {drafter}`")
+            f"`python -m vllm_dspine.train --preset smollm2 --target DIR/target --corpus "
+            f"data/corpus/smollm2 --work WORK --out {drafter}` (docs/training.md)")
     cache = cache_dir or os.path.join(out, "cache")
     target = convert_gguf_to_hf(fetch_gguf(cache), os.path.join(out, "target"))
     draft = os.path.join(out, "draft")
@@ -397,7 +399,9 @@ def write_smollm2_pair(out: str, cache_dir: str | None = None,
         if name.endswith((".json", ".safetensors")):
             shutil.copyfile(os.path.join(drafter, name), os.path.join(draft, name))
     # The no-bridge ablation (same data and steps), as a DSpine folder and in vLLM's own
-    # `dflash` format, for the benchmarks' side-by-side runs.
+    # `dflash` format, for the benchmarks' side-by-side runs: not committed (the tree
+    # stays small); present where a user trained it next to the drafter
+    # (docs/training.md, "Ablations").
     ablation = drafter + "-no-bridge"
     if os.path.isfile(os.path.join(ablation, "config.json")):
         from vllm_dspine.model.checkpoint import load_draft_checkpoint, save_dflash_checkpoint

@@ -252,7 +252,7 @@ def write_tiny_pair(out_dir: str, seed: int = 0, *, habit: float = 0.5,
     """Write `out_dir/target` and `out_dir/draft`; the same seed gives the same bytes.
 
     habit: strength of the planted successor habit in the target's head (0: pure noise).
-    trained: distil the drafter from the target (`train.distill.train_tiny_drafter`, about
+    trained: distil the drafter from the target (`train.tiny_drafter.train_tiny_drafter`, about
     a minute and a half on 2 CPU cores) instead of leaving it random.
     """
     cfg = draft_config(target_layer_ids, draft_sliding_window)
@@ -261,7 +261,7 @@ def write_tiny_pair(out_dir: str, seed: int = 0, *, habit: float = 0.5,
         out_dir, _target_config(), _target_tensors(seed, habit), TARGET_SIZES, cfg,
         random_draft_tensors(cfg, seed + 1_000_003), where="tiny target")
     if trained:
-        from vllm_dspine.train import distill  # transformers + training: only when asked
+        from vllm_dspine.train import tiny_drafter  # transformers + training: only when asked
 
-        distill.train_tiny_drafter(target_dir, draft_dir, seed=seed, evaluate=False)
+        tiny_drafter.train_tiny_drafter(target_dir, draft_dir, seed=seed, evaluate=False)
     return TinyPair(target_dir=target_dir, draft_dir=draft_dir)

@@ -287,7 +287,11 @@ def held_out_acceptance(cfg, w, embed, head, vocab, corpus, feats, limit: int) -
     from vllm_dspine.train.acceptance import greedy_acceptance
     from vllm_dspine.train.feature_store import bf16_from_bits
 
-    rows = [i for i in range(len(corpus)) if corpus.temperature[i] == 0.0][:limit]
+    greedy = [i for i in range(len(corpus)) if corpus.temperature[i] == 0.0]
+    sources = sorted({corpus.source[i] for i in greedy})
+    per_source = -(-limit // max(1, len(sources)))  # the same number from every source
+    rows = [i for src in sources
+            for i in [j for j in greedy if corpus.source[j] == src][:per_source]]
     per: dict[str, list[float]] = {}
     by_source: dict[str, list[float]] = {}
     for i in rows:

@@ -36,7 +36,10 @@ import time
 
 import numpy as np
 
-SOURCES = ("self", "debian", "python", "docs")
+SOURCES = ("self", "debian", "python", "docs",
+           # held-out only (never trained on): the benchmarks' own prompts
+           "humaneval", "bench-chat")
+TRAIN_SOURCES = SOURCES[:4]
 # Share of each source in a shard: general chat (self + debian) well represented, code
 # (python) as the measured workload, the project's docs a little (they run out first;
 # the others then fill the shard).
@@ -139,8 +142,8 @@ def shard_prompts(k: int, n: int, static: dict[str, list[tuple[str, str]]],
         per = max(1, round(SHARES[src] * n))
         pools[src] = items[k * per:(k + 1) * per] + items[(k + 1) * per:]  # spill-over tail
     out: list[tuple[str, str, str]] = []
-    quota = {s: round(SHARES[s] * n) for s in SOURCES}
-    iters = {s: iter(pools.get(s, [])) for s in SOURCES}
+    quota = {s: round(SHARES[s] * n) for s in TRAIN_SOURCES}
+    iters = {s: iter(pools.get(s, [])) for s in TRAIN_SOURCES}
 
     def take(src: str) -> bool:
         for key, prompt in iters[src]:
@@ -152,10 +155,10 @@ def shard_prompts(k: int, n: int, static: dict[str, list[tuple[str, str]]],
             return True
         return False
 
-    for src in SOURCES:  # each source up to its share
+    for src in TRAIN_SOURCES:  # each source up to its share
         while quota[src] > 0 and len(out) < n and take(src):
             quota[src] -= 1
-    live = [s for s in SOURCES]
+    live = list(TRAIN_SOURCES)
     while len(out) < n and live:  # the rest: whoever still has prompts
         for src in list(live):
             if len(out) >= n:
@@ -230,13 +233,52 @@ def grow(target_dir: str, folder: str, shards: int, prompts_per_shard: int,
     return manifest
 
 
+def held_out_shard(target_dir: str, folder: str, prompts_file: str, max_tokens: int = 256,
+                   max_num_seqs: int = 64) -> dict:
+    """A corpus of one greedy shard from given prompts (JSON lines of {"source", "key",
+    "prompt"}, sources `humaneval` / `bench-chat`): held-out text whose prompts come from
+    sources training never sees. -> the manifest"""
+    from transformers import AutoTokenizer
+
+    from vllm_dspine.train.target_data import chat_ids, generate_answers, make_llm
+
+    os.makedirs(folder, exist_ok=True)
+    manifest = read_manifest(folder)
+    if manifest["shards"]:
+        return manifest
+    with open(prompts_file) as f:
+        items = [json.loads(line) for line in f if line.strip()]
+    bad = sorted({it["source"] for it in items} - set(SOURCES[4:]))
+    if bad:
+        raise ValueError(f"{prompts_file}: held-out sources must be one of {SOURCES[4:]}, "
+                         f"got {bad}")
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    llm = make_llm(target_dir, max_model_len=2048, max_num_seqs=max_num_seqs)
+    prompts = [it["prompt"] for it in items]
+    seqs = generate_answers(llm, tok, prompts, max_tokens, 1.0, 0.0, 0)
+    entry = write_shard(folder, "shard-00000.npz", seqs,
+                        [len(chat_ids(tok, p)) for p in prompts],
+                        [it["source"] for it in items],
+                        [f"{it['key']}#{prompt_hash(it['prompt'])}" for it in items],
+                        [0.0] * len(items), len(tok))
+    manifest.update(target=os.path.basename(os.path.abspath(target_dir)),
+                    settings={"max_tokens": max_tokens, "greedy_share": 1.0,
+                              "prompts_file": os.path.basename(prompts_file)},
+                    shards=[entry])
+    _write_manifest(folder, manifest)
+    return manifest
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m vllm_dspine.train.corpus",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True, help="the target's Hugging Face folder")
     ap.add_argument("--corpus", required=True, help="the corpus folder (shards, manifest)")
-    ap.add_argument("--shards", type=int, required=True,
+    ap.add_argument("--shards", type=int, default=None,
                     help="grow the corpus to this many shards")
+    ap.add_argument("--held-out-prompts", default=None,
+                    help="instead: one greedy held-out shard from these prompts (JSON lines "
+                         "of source/key/prompt; `python bench/held_out_prompts.py` writes them)")
     ap.add_argument("--prompts-per-shard", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--greedy-share", type=float, default=0.75)
@@ -246,6 +288,13 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_dspine.cpu_env import set_cpu_defaults
 
     set_cpu_defaults()
+    if args.held_out_prompts:
+        m = held_out_shard(args.target, args.corpus, args.held_out_prompts, args.max_tokens,
+                           args.max_num_seqs)
+        _log(f"held-out corpus: {m['shards'][0]}")
+        return 0
+    if args.shards is None:
+        ap.error("--shards N (grow the corpus) or --held-out-prompts FILE is required")
     m = grow(args.target, args.corpus, args.shards, args.prompts_per_shard, args.max_tokens,
              args.greedy_share, seed=args.seed, max_num_seqs=args.max_num_seqs)
     total = sum(s["answer_tokens"] for s in m["shards"])
