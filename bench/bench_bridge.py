@@ -21,8 +21,10 @@ import argparse
 import datetime
 import math
 import os
+import pathlib
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -35,8 +37,12 @@ from vllm_dspine.kernels.bridge_ref import (
     code_bridge_ref,
 )
 
-DOCS = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks.md")
-BEGIN, END = "<!-- bench_bridge: begin -->", "<!-- bench_bridge: end -->"
+if not __package__:  # `python bench/bench_bridge.py`: import `bench` from the repository root
+    sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
+
+from bench.lib.report import DOC, replace_section  # noqa: E402
+
+SECTION = "bench_bridge"
 
 # (block_n, block_h, block_c, block_m, read H splits) tried on CUDA besides the launcher
 # defaults; None = the launcher's choice.
@@ -199,20 +205,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if not args.no_docs:
-        write_section(text)
-
-
-def write_section(text: str) -> None:
-    """Replace this script's section of docs/benchmarks.md (or append it)."""
-    section = f"{BEGIN}\n{text}\n{END}\n"
-    old = open(DOCS).read() if os.path.exists(DOCS) else "# Benchmarks\n\n"
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        new = head + section + rest.split(END, 1)[1].lstrip("\n")
-    else:
-        new = old.rstrip("\n") + "\n\n" + section
-    with open(DOCS, "w") as f:
-        f.write(new)
+        replace_section(DOC, SECTION, text)
 
 
 if __name__ == "__main__":

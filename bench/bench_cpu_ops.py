@@ -32,13 +32,12 @@ import time
 
 import torch
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+if not __package__:  # `python bench/bench_cpu_ops.py`: import `bench` from the repository root
+    sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
-from workloads import machine, replace_section  # noqa: E402
+from bench.lib.report import DOC, machine, replace_section  # noqa: E402
 
 SECTION = "bench_cpu_ops"
-DOC = HERE.parent / "docs" / "benchmarks.md"
 # SmolLM2-135M: hidden 576, 9 heads / 3 KV heads of 64, FFN 1536, 30 layers.
 LAYER_SHAPES = [(576, 576 + 2 * 192), (576, 576), (576, 2 * 1536), (1536, 576)]  # (K, N)
 

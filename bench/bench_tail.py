@@ -29,6 +29,7 @@ import argparse
 import datetime
 import math
 import os
+import pathlib
 import platform
 import statistics
 import sys
@@ -38,11 +39,15 @@ import torch
 
 from vllm_dspine.kernels.bridge_ref import BridgeWeights, bridge_read_ref
 from vllm_dspine.kernels.retrieval import FP8Head, fp8_matmul_available, retrieve_candidates
-from vllm_dspine.kernels.tail import TailTables, serial_tail, tail_score_tables
+from vllm_dspine.kernels.tail import (LastWriteInputs, TailTables, TailWeights, serial_tail,
+                                      tail_score_tables)
 from vllm_dspine.kernels.tail_ref import rms_norm_ref
 
-DOCS = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks.md")
-BEGIN, END = "<!-- bench_tail: begin -->", "<!-- bench_tail: end -->"
+if not __package__:  # `python bench/bench_tail.py`: import `bench` from the repository root
+    sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
+
+from bench.lib.report import DOC, replace_section  # noqa: E402
+
 CHUNK = 16384
 
 
@@ -142,9 +147,7 @@ def main() -> None:
     p.add_argument("--no-docs", action="store_true", help="do not touch docs/benchmarks.md")
     args = p.parse_args()
     wdt = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    global BEGIN, END
-    if args.dtype == "fp32":
-        BEGIN, END = "<!-- bench_tail_fp32: begin -->", "<!-- bench_tail_fp32: end -->"
+    section = "bench_tail_fp32" if args.dtype == "fp32" else "bench_tail"
 
     t_start = time.perf_counter()
     cuda = torch.cuda.is_available()
@@ -223,7 +226,8 @@ def main() -> None:
                                  tokens.reshape(-1), is_anchor.reshape(-1), weights.eps)
     codes, rms = codes.view(R, B, C), rms.view(R, B)
     cand_ids = cand_bf16.view(R, K, k)
-    common = (x_last, codes, rms, cand_ids, anchor_ids, weights, g, 1e-6, head)
+    common = (LastWriteInputs(x_last, codes, rms, anchor_ids), cand_ids,
+              TailWeights(weights, g, 1e-6, head))
 
     if cuda:
         t0 = time.perf_counter()
@@ -342,18 +346,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     if not args.no_docs:
-        write_section(table)
-
-
-def write_section(table: str) -> None:
-    text = open(DOCS).read() if os.path.exists(DOCS) else "# Benchmarks\n"
-    block = f"{BEGIN}\n{table}\n{END}"
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    with open(DOCS, "w") as f:
-        f.write(text)
+        replace_section(DOC, section, table)
 
 
 if __name__ == "__main__":

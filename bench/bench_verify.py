@@ -17,6 +17,7 @@ import argparse
 import datetime
 import pathlib
 import statistics
+import sys
 import time
 
 import torch
@@ -34,8 +35,12 @@ from vllm_dspine.verify import (
 )
 from vllm_dspine.verify.synthetic import sample_from_sparse
 
+if not __package__:  # `python bench/bench_verify.py`: import `bench` from the repository root
+    sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
+
+from bench.lib.report import DOC, replace_section  # noqa: E402
+
 SECTION = "bench_verify"
-DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 CPU = torch.device("cpu")
 
 
@@ -160,19 +165,6 @@ def to_markdown(rows: list[dict], k: int, vocab_size: int, topk: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(markdown: str) -> None:
-    start, end = f"<!-- {SECTION}:start -->", f"<!-- {SECTION}:end -->"
-    block = f"{start}\n{markdown}{end}\n"
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n\n"
-    if start in text and end in text:
-        head, rest = text.split(start, 1)
-        text = head + block + rest.split(end, 1)[1].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -188,7 +180,7 @@ def main() -> None:
     markdown = to_markdown(rows, args.k, args.vocab_size, args.topk)
     print(markdown)
     if not args.no_write:
-        write_section(markdown)
+        replace_section(DOC, SECTION, markdown.rstrip("\n"))
 
 
 if __name__ == "__main__":

@@ -26,10 +26,13 @@ import sys
 import tempfile
 import time
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+if not __package__:  # `python bench/hybrid_commit.py`: import `bench` from the repository root
+    sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
-DOC = HERE.parent / "docs" / "benchmarks.md"
+from bench.lib.engines import profile_delta  # noqa: E402
+from bench.lib.report import DOC, machine, replace_section  # noqa: E402
+from vllm_dspine.serving.metrics import acceptance, spec_decode_counters  # noqa: E402
+
 SECTION = "bench_hybrid"
 
 
@@ -55,21 +58,18 @@ def main() -> None:
 
     set_cpu_defaults()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from workloads import machine, replace_section
-
     t0 = time.time()
     work = args.pair or tempfile.mkdtemp(prefix="dspine-hybrid-")
     from vllm_dspine.pairs.hybrid import write_hybrid_pair
 
     pair = write_hybrid_pair(work, seed=0)
     if not args.no_train:
-        from vllm_dspine.train.distill import TrainSettings, train_tiny_drafter
+        from vllm_dspine.train.tiny_drafter import TrainSettings, train_tiny_drafter
 
         print(f"distilling the drafter ({args.train_steps} steps) ...", flush=True)
         train_tiny_drafter(pair.target_dir, pair.draft_dir, seed=0, evaluate=False,
                            settings=TrainSettings(steps=args.train_steps, train_seqs=192))
 
-    from e2e import acceptance, counters, profile_delta
     from vllm import LLM, SamplingParams
     from vllm_dspine.model.memory import QWEN38_27B_GDN, format_gdn_state_memory, \
         gdn_state_memory
@@ -92,14 +92,14 @@ def main() -> None:
         finally:
             os.environ.pop("VLLM_DSPINE_STEP_PROFILE", None)
         for c in concs:
-            before, p0 = counters(llm), read(prof)
+            before, p0 = spec_decode_counters(llm), read(prof)
             start = time.perf_counter()
             tokens = 0
             for i in range(0, len(texts), c):
                 outs = llm.generate(texts[i:i + c], params, use_tqdm=False)
                 tokens += sum(len(o.outputs[0].token_ids) for o in outs)
             elapsed = time.perf_counter() - start
-            tau, _ = acceptance(before, counters(llm))
+            tau, _ = acceptance(before, spec_decode_counters(llm))
             ms = profile_delta(p0, read(prof))
             rows.append({"mode": mode, "c": c, "tok_s": tokens / elapsed, "tau": tau, **ms})
             print(f"{mode:>7} c={c:<2} {tokens / elapsed:7.1f} tok/s  tau "

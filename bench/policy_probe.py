@@ -10,9 +10,9 @@ and into where a step's time goes; bench/e2e.py is the benchmark of record.
     python bench/policy_probe.py plain,dspine-dynamic,dspine-fixed4 --rounds 10 \\
         --max-tokens 64          # three engines, ten interleaved rounds
 
-METHODS is one method of bench/e2e.py (plain, ngram, dspine, dspine-dynamic, dspine-skip,
-...) or several separated by commas, and `dspine-fixedN` (DSpine verifying N drafts every
-step, `dspine_verify: fixed`, `dspine_verify_max: N`). Each round runs `--concurrency`
+METHODS is one method of bench/lib/engines.py (plain, ngram, dspine, dspine-dynamic,
+dspine-skip, `dspine-fixedN`: DSpine verifying N drafts every step, ...) or several
+separated by commas. Each round runs `--concurrency`
 HumanEval prompts at a time (greedy or `--temperature` with top-p 0.95, `ignore_eos`,
 chat template applied; `--prompts` of them, a different slice each round) through
 `LLM.generate` on every engine, the order rotated round to round, after a 16-token
@@ -35,26 +35,17 @@ import argparse
 import json
 import os
 import pathlib
-import re
 import statistics
 import sys
 import tempfile
 import time
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+if not __package__:  # `python bench/policy_probe.py`: import `bench` from the repository root
+    sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
-
-def spec_for(method: str, pair: pathlib.Path) -> dict | None:
-    """bench/e2e.py's methods, and dspine-fixedN."""
-    from e2e import spec_of
-
-    m = re.fullmatch(r"dspine-fixed(\d+)", method)
-    if m:
-        spec = spec_of("dspine", str(pair))
-        spec["dspine_verify_max"] = int(m.group(1))
-        return spec
-    return spec_of(method, str(pair))
+from bench.lib.engines import spec_of  # noqa: E402
+from bench.lib.report import REPO  # noqa: E402
+from bench.lib.workloads import humaneval_prompts  # noqa: E402
 
 
 def print_policy(name: str, llm) -> None:
@@ -75,9 +66,9 @@ def print_policy(name: str, llm) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("methods", help="method(s) of bench/e2e.py, comma-separated; "
+    ap.add_argument("methods", help="method(s) of bench/lib/engines.py, comma-separated; "
                     "dspine-fixedN verifies N drafts every step")
-    ap.add_argument("--pair", default=str(HERE.parent / "artifacts" / "smollm2"))
+    ap.add_argument("--pair", default=str(REPO / "artifacts" / "smollm2"))
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=2,
                     help="prompts per round (at least --concurrency)")
@@ -95,8 +86,6 @@ def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     profile_path = os.path.join(tempfile.mkdtemp(prefix="dspine-probe-"), "profile.json")
     os.environ["VLLM_DSPINE_STEP_PROFILE"] = profile_path
-    from workloads import humaneval_prompts
-
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -108,7 +97,7 @@ def main() -> None:
     names = args.methods.split(",")
     engines = {}
     for name in names:
-        spec = spec_for(name, pair)
+        spec = spec_of(name, str(pair))
         if args.verify_cost is not None and spec is not None and spec["method"] == "dspine":
             spec["dspine_verify_cost"] = json.loads(args.verify_cost)
         engines[name] = LLM(str(pair / "target"), speculative_config=spec,

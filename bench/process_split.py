@@ -4,10 +4,10 @@
     OMP_NUM_THREADS=1 taskset -c 0 python bench/process_split.py \
         --methods plain,dspine-skip --rounds 3 --prompts 4
 
-The methods' engines (bench/e2e.py's `Engine`, multiprocess as users run them) start side
-by side in this process; each round runs every method once over the same HumanEval (or
-chat) prompts, one request at a time (`--concurrency`), greedy, the order rotated round to
-round. Per run it reads the CPU time (user + system) and context switches of this
+The methods' engines (`Engine` of bench/lib/engines.py, multiprocess as users run them)
+start side by side in this process; each round runs every method once over the same
+HumanEval (or chat) prompts, one request at a time (`--concurrency`), greedy, the order
+rotated round to round. Per run it reads the CPU time (user + system) and context switches of this
 process (the front end) and of each process the engine started (engine core, worker),
 and the engine's step profile (`VLLM_DSPINE_STEP_PROFILE`, ms per step by section). The
 table gives them per engine step, with the run's tokens/s over plain's of the same round.
@@ -25,9 +25,13 @@ import pathlib
 import sys
 import time
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-DOC = HERE.parent / "docs" / "benchmarks.md"
+if not __package__:  # `python bench/process_split.py`: import `bench` from the repository root
+    sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
+
+from bench.lib.engines import Engine  # noqa: E402
+from bench.lib.report import DOC, REPO, machine, replace_section  # noqa: E402
+from bench.lib.workloads import CHAT_PROMPTS, humaneval_prompts  # noqa: E402
+
 SECTION = "bench_process_split"
 
 
@@ -72,9 +76,10 @@ def table(runs: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pair", default=str(HERE.parent / "artifacts" / "smollm2"))
+    ap.add_argument("--pair", default=str(REPO / "artifacts" / "smollm2"))
     ap.add_argument("--methods", default="plain,dspine-skip",
-                    help="methods of bench/e2e.py (plain, dspine-dynamic, dspine-skip, ...)")
+                    help="methods of bench/lib/engines.py (plain, dspine-dynamic, "
+                    "dspine-skip, ...)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--workload", default="humaneval", choices=("humaneval", "chat"))
@@ -89,8 +94,6 @@ def main() -> None:
     set_cpu_defaults()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import psutil
-    from e2e import Engine
-    from workloads import CHAT_PROMPTS, humaneval_prompts, machine, replace_section
 
     prompts = (humaneval_prompts(os.path.join(args.pair, "cache")) if args.workload
                == "humaneval" else list(CHAT_PROMPTS))[:args.prompts]
@@ -107,7 +110,8 @@ def main() -> None:
     runs = []
     for r in range(args.rounds):
         for m in methods[r % len(methods):] + methods[:r % len(methods)]:
-            time.sleep(1.5)  # the previous engine's idle worker spins 1 s (bench/e2e.py)
+            # the previous engine's idle worker spins 1 s (bench/lib/engines.py)
+            time.sleep(1.5)
             run = measure(engines[m], procs[m], front, args.workload, ids,
                           args.concurrency, args.max_tokens, len(ids))
             run["round"] = r + 1

