@@ -126,7 +126,7 @@ def write_shard(folder: str, name: str, seqs: list[list[int]], answer_start: lis
     os.replace(tmp, os.path.join(folder, name))
     return {"file": name, "sequences": len(seqs), "tokens": int(offsets[-1]),
             "answer_tokens": int(sum(len(s) - a for s, a in zip(seqs, answer_start))),
-            "by_source": {s: source.count(s) for s in SOURCES}}
+            "by_source": {s: source.count(s) for s in SOURCES if s in source}}
 
 
 # ------------------------------------------------------------------ making a shard
