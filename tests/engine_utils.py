@@ -59,7 +59,7 @@ def sse_payloads(response):
     raise AssertionError("stream ended without 'data: [DONE]'")
 
 
-VERIFIED_DRAFTS = "vllm:dspine_verified_drafts"  # plugin/patches.py, patch 7
+VERIFIED_DRAFTS = "vllm:dspine_verified_drafts"  # row verified-drafts-metric, plugin/patches/
 
 
 def check_counters_account_for(before: dict, after: dict, tokens: list[int],

@@ -310,7 +310,9 @@ def samples(pair):
     assert tokens.shape == (SAMPLES * n_cases, 3)
     import vllm.v1.worker.gpu_model_runner as gmr
 
-    processors_built = getattr(gmr.build_logitsprocs, "_dspine_patched", False)
+    from vllm_dspine.plugin.patches import is_applied
+
+    processors_built = is_applied(gmr.build_logitsprocs, "logitsprocs-for-dspine")
     del llm
     return {c.name: tokens[i::n_cases] for i, c in enumerate(CASES)}, m, processors_built
 
@@ -341,7 +343,7 @@ def test_drafts_are_accepted(samples):
 # only MinTokensLogitsProcessor when speculative decoding is on, so with dspine the
 # MinP and LogitBias processors do not exist: min_p and logit_bias are silently ignored
 # at every position, the first token included (patch 4 only lifts vLLM's refusal).
-# The fix belongs in plugin/patches.py (build the built-in processors for DSpine
+# The fix belongs in plugin/patches/ (build the built-in processors for DSpine
 # drafts); until it is there these two cases are expected to fail.
 NEEDS_BUILTIN_PROCESSORS = {"min_p", "logit_bias"}
 
@@ -356,7 +358,7 @@ def test_generated_tokens_follow_the_exact_distribution(case, exact, samples):
     except AssertionError as err:
         if case.name in NEEDS_BUILTIN_PROCESSORS and not processors_built:
             pytest.xfail(f"min_p/logit_bias processors are not built under speculative "
-                         f"decoding (vLLM build_logitsprocs; fix in plugin/patches.py): "
+                         f"decoding (vLLM build_logitsprocs; fix in plugin/patches/): "
                          f"{err}")
         raise
 

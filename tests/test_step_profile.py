@@ -1,7 +1,7 @@
 """The engine step profile bench/e2e.py reads (vllm_dspine/step_profile.py and
-patch 10 in plugin/patches.py): nothing is wrapped without VLLM_DSPINE_STEP_PROFILE; with
-it, the runner's methods and the scheduler's abort path are wrapped, sections add up and
-the file is rewritten whole."""
+row step-profile of plugin/patches/table.py): nothing is wrapped without
+VLLM_DSPINE_STEP_PROFILE; with it, the runner's methods and the scheduler's abort path
+are wrapped, sections add up and the file is rewritten whole."""
 
 from __future__ import annotations
 
@@ -15,18 +15,17 @@ from engine_utils import engine_env
 
 CHECK = textwrap.dedent("""
     import json, os, sys
-    from vllm_dspine.plugin.patches import _patch_step_profile
+    from vllm_dspine.plugin.patches import apply_patch, is_applied
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    _patch_step_profile()
-    _patch_step_profile()  # twice: wrapped once
+    apply_patch("step-profile")
+    apply_patch("step-profile")  # twice: wrapped once
     names = ["execute_model", "sample_tokens", "_model_forward", "_sample",
              "propose_draft_token_ids"]
-    wrapped = {n: getattr(getattr(GPUModelRunner, n), "_dspine_profiled", False)
-               for n in names}
-    wrapped["finish_requests"] = getattr(Scheduler.finish_requests, "_dspine_profiled", False)
+    wrapped = {n: is_applied(getattr(GPUModelRunner, n), "step-profile") for n in names}
+    wrapped["finish_requests"] = is_applied(Scheduler.finish_requests, "step-profile")
     once = GPUModelRunner.execute_model.__wrapped__
-    wrapped["once"] = not getattr(once, "_dspine_profiled", False)
+    wrapped["once"] = not is_applied(once, "step-profile")
     print(json.dumps(wrapped))
 """)
 

@@ -1,14 +1,98 @@
-"""The patch module: each patch does what it says, is idempotent, and refuses another
-vLLM version. The CPU expand fix is tested against the bug it fixes (FINDINGS.md)."""
+"""The patch table (vllm_dspine/plugin/patches/): every row's vLLM symbols are in the
+pinned vLLM as the row says, at run time and in the installed source; each row is applied
+once, at registration and not on import, and a second `apply_patches()` changes nothing;
+README.md is the table's rendering; another vLLM is refused. Each fix is also tested
+against the bug it fixes (FINDINGS.md).
+
+The checks that need an unpatched vLLM run in a fresh interpreter (`fresh`): an earlier
+test module of the same session may have applied the patches in this one, and they
+cannot be undone."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from engine_utils import engine_env
+from vllm_dspine.plugin.patches.table import PATCHES
 
 engine_env()
+
+ROW_IDS = [p.id for p in PATCHES]
+
+# Run in a fresh interpreter; prints one JSON line.
+FRESH_PROBE = textwrap.dedent("""
+    import importlib, json, sys
+    import torch
+
+    out = {}
+    # 1. vLLM's own CPU expand override, unpatched (the bug cpu-expand-kernel fixes).
+    from vllm.platforms.cpu import CpuPlatform
+    CpuPlatform.import_kernels()
+    from vllm.utils import cpu_triton_utils
+    from vllm_dspine.plugin.patches import is_applied
+    vanilla = cpu_triton_utils._expand_kernel_impl
+    out["vanilla_expand_marked"] = is_applied(vanilla, "cpu-expand-kernel")
+    nan = torch.full((5,), float("nan"))
+    vanilla(nan, torch.tensor([1.5, 0.7]), torch.tensor([3, 5], dtype=torch.int32), 0, 1)
+    out["vanilla_expand_all_nan"] = bool(torch.isnan(nan).all())
+
+    # 2. Importing the plugin and every patch module changes nothing.
+    import vllm_dspine.plugin
+    from vllm_dspine.plugin.patches import PATCHES, apply_patch, apply_patches
+    from vllm_dspine.plugin.patches.apply import check_patch, installs
+    for p in PATCHES:
+        importlib.import_module("vllm_dspine.plugin.patches." + p.apply.split(":")[0])
+
+    def current(symbol):
+        if symbol.read_source:  # the import hook: its finder is the installed object
+            return [f for f in sys.meta_path if getattr(f, "_dspine_patch_ids", ())]
+        obj = importlib.import_module(symbol.module)
+        for part in symbol.qualname.split("."):
+            obj = getattr(obj, part)
+        return [obj]
+
+    def marked(p):
+        return [s.path for s in p.changes
+                if any(is_applied(o, p.id) for o in current(s))]
+
+    # 3. Each row checked in the order registration applies them (a row may need the
+    # earlier ones: qwen3_5 imports only once the torchvision hook is in), then applied.
+    out["marked_after_import"], out["before"], out["installed"] = {}, {}, {}
+    for p in PATCHES:
+        out["before"][p.id] = check_patch(p)
+        out["marked_after_import"][p.id] = marked(p) if not out["before"][p.id] else []
+        out["installed"][p.id] = apply_patch(p)
+    out["after"] = {p.id: check_patch(p) for p in PATCHES}
+    out["marked"] = {p.id: marked(p) for p in PATCHES}
+    # 4. Applying everything again leaves every changed symbol as it is (a classmethod
+    # is a new bound method at each lookup: compare its function).
+    def identities(p):
+        return [id(getattr(o, "__func__", o)) for s in p.changes for o in current(s)]
+
+    objects = {p.id: identities(p) for p in PATCHES}
+    apply_patches()
+    apply_patches()
+    out["unchanged_by_reapply"] = {p.id: objects[p.id] == identities(p) for p in PATCHES}
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def fresh() -> dict:
+    env = dict(os.environ)
+    env.pop("VLLM_DSPINE_STEP_PROFILE", None)
+    run = subprocess.run([sys.executable, "-c", FRESH_PROBE], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -20,21 +104,134 @@ def patched():
     return True
 
 
-def test_vllm_cpu_expand_override_is_broken_for_floats():
+# ------------------------------------------------------------------ the table itself
+@pytest.mark.parametrize("patch_id", ROW_IDS)
+def test_row_symbols_are_in_the_pinned_vllm(fresh, patch_id):
+    """Module, class / function, parameters and referred names as the row says, checked
+    where registration checks them (before the row is applied) and after all are."""
+    assert fresh["before"][patch_id] == []
+    assert fresh["after"][patch_id] == []
+
+
+@pytest.mark.parametrize("patch_id", ROW_IDS)
+def test_row_applied_once_at_registration_not_on_import(fresh, patch_id):
+    row = next(p for p in PATCHES if p.id == patch_id)
+    assert fresh["marked_after_import"][patch_id] == []
+    if row.when == "step-profile":
+        assert not fresh["installed"][patch_id]  # the variable is unset here
+    else:
+        assert fresh["installed"][patch_id]  # CPU, no torchvision: all other rows
+    expected = [s.path for s in row.changes] if fresh["installed"][patch_id] else []
+    assert fresh["marked"][patch_id] == expected
+    assert fresh["unchanged_by_reapply"][patch_id]
+
+
+@pytest.mark.parametrize("patch_id", ROW_IDS)
+def test_row_symbols_are_in_the_installed_source(patch_id):
+    """The static checker (check_source.py) on the installed vLLM 0.32.0 agrees."""
+    import vllm
+
+    from vllm_dspine.plugin.patches.check_source import check_source
+
+    problems, skipped = check_source(Path(vllm.__file__).parent)[patch_id]
+    assert problems == []
+    assert all(not path.startswith("vllm") for path in skipped)
+
+
+def test_readme_is_rendered_from_the_table():
+    from vllm_dspine.plugin.patches.readme import README, render_index
+
+    assert README.read_text() == render_index(), (
+        "run `python -m vllm_dspine.plugin.patches.readme --write`")
+
+
+def test_every_row_names_an_apply_function_and_a_known_condition():
+    import importlib
+
+    from vllm_dspine.plugin.patches.table import WHEN
+
+    for p in PATCHES:
+        module, _, function = p.apply.partition(":")
+        assert callable(getattr(importlib.import_module(
+            f"vllm_dspine.plugin.patches.{module}"), function)), p.id
+        assert p.when in WHEN and p.why and p.how and p.retire, p.id
+
+
+FAKE_VLLM = {
+    "vllm/__init__.py": "",
+    "vllm/base.py": "class Base:\n    def inherited(self, a):\n        return a.used_name\n",
+    "vllm/mod.py": textwrap.dedent("""
+        from .base import Base
+        from vllm.other import helper as aliased
+        from transformers.x import external
+
+        class Thing(Base):
+            field: int = 0
+
+            @classmethod
+            def build(cls, config):
+                return cls()
+
+            def method(self, a, b=1, *args, c, **kwargs):
+                return a.kept()
+    """),
+    "vllm/other.py": "def helper(x, y):\n    pass\n",
+}
+
+
+@pytest.mark.parametrize("path, params, uses, imported_from, problem", [
+    pytest.param("vllm.mod:Thing.method", ("self", "a", "b", "args", "c", "kwargs"),
+                 ("kept",), None, None, id="method"),
+    pytest.param("vllm.mod:Thing.build", ("config",), (), None, None,
+                 id="classmethod-without-cls"),
+    pytest.param("vllm.mod:Thing.field", None, (), None, None, id="dataclass-field"),
+    pytest.param("vllm.mod:Thing.inherited", ("self", "a"), ("used_name",), None, None,
+                 id="from-base-class"),
+    pytest.param("vllm.mod:aliased", ("x", "y"), (), "vllm.other:helper", None,
+                 id="import-alias"),
+    pytest.param("vllm.mod:external", None, (), "transformers.x:external", None,
+                 id="outside-the-tree"),
+    pytest.param("vllm.gone:Thing", None, (), None, "module `vllm.gone` is missing",
+                 id="missing-module"),
+    pytest.param("vllm.mod:Thing.absent", None, (), None, "`Thing` has no `absent`",
+                 id="missing-attribute"),
+    pytest.param("vllm.mod:Thing.method", ("self", "a"), (), None, "has parameters",
+                 id="changed-parameters"),
+    pytest.param("vllm.mod:Thing.method", None, ("gone",), None, "no longer refers",
+                 id="changed-body"),
+    pytest.param("vllm.mod:aliased", None, (), "vllm.base:helper", "is not imported from",
+                 id="changed-import"),
+])
+def test_check_source_reads_a_tree(tmp_path, path, params, uses, imported_from, problem):
+    from vllm_dspine.plugin.patches.check_source import SourceTree
+    from vllm_dspine.plugin.patches.table import Symbol
+
+    for name, text in FAKE_VLLM.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    found = SourceTree(tmp_path).check_symbol(Symbol(path, params, uses, imported_from))
+    if problem is None:
+        assert found == []
+    else:
+        assert len(found) == 1 and problem in found[0], found
+
+
+def test_check_source_cli_reports_all_rows_ok_on_the_installed_vllm():
+    import vllm
+
+    run = subprocess.run([sys.executable, "-m", "vllm_dspine.plugin.patches.check_source",
+                          str(Path(vllm.__file__).parent)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"{len(PATCHES)} of {len(PATCHES)} rows would apply unchanged" in run.stdout
+
+
+# --------------------------------------------------------------- the fixes themselves
+def test_vllm_cpu_expand_override_is_broken_for_floats(fresh):
     """The bug itself: vLLM's CPU override writes into an int64 copy of a float
     output and never copies back, so the output keeps whatever it held."""
-    from vllm.platforms.cpu import CpuPlatform
-
-    CpuPlatform.import_kernels()
-    from vllm.utils import cpu_triton_utils
-    from vllm_dspine.plugin import patches as vllm_patches
-
-    vanilla = cpu_triton_utils._expand_kernel_impl
-    if vanilla is vllm_patches._expand_kernel_impl:
-        pytest.skip("patched in this process already; the vanilla function is gone")
-    out = torch.full((5,), float("nan"))
-    vanilla(out, torch.tensor([1.5, 0.7]), torch.tensor([3, 5], dtype=torch.int32), 0, 1)
-    assert torch.isnan(out).all()
+    assert not fresh["vanilla_expand_marked"]  # the vanilla function, in a fresh process
+    assert fresh["vanilla_expand_all_nan"]
 
 
 def test_expand_batch_to_tokens_correct_after_patch(patched):
@@ -57,7 +254,7 @@ def test_expand_batch_to_tokens_correct_after_patch(patched):
 
 
 def test_dspine_method_translated_and_options_checked(patched):
-    from vllm_dspine.plugin.patches import split_dspine_options
+    from vllm_dspine.plugin.options import split_dspine_options
 
     spec, opts = split_dspine_options({"method": "dspine", "model": "/d",
                                        "num_speculative_tokens": 15,
@@ -133,18 +330,19 @@ def test_grouped_rms_norm_correct_after_patch(patched, dtype):
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("activation", ["silu", None])
 def test_cpu_causal_conv1d_equals_vllms(patched, state_dtype, with_bias, activation):
-    """Patch 13: the fp32-tap conv gives vLLM's `causal_conv1d_fn_cpu` outputs and
-    window updates (sequences of 0..9 tokens, with and without an initial window, one on
-    the pad slot), bit for bit, and the GDN module now calls it (vLLM's bf16 `F.conv1d`
-    accumulates in fp32 and rounds once, as this does; with the taps reversed 0.5 % of
-    the outputs still agree, measured)."""
+    """Row cpu-causal-conv1d-fp32: the fp32-tap conv gives vLLM's `causal_conv1d_fn_cpu`
+    outputs and window updates (sequences of 0..9 tokens, with and without an initial
+    window, one on the pad slot), bit for bit, and the GDN module now calls it (vLLM's
+    bf16 `F.conv1d` accumulates in fp32 and rounds once, as this does; with the taps
+    reversed 0.5 % of the outputs still agree, measured)."""
     from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
     from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_fn_cpu
     from vllm.v1.attention.backends.utils import PAD_SLOT_ID
 
-    from vllm_dspine.plugin.patches import _causal_conv1d_fp32_cpu
+    from vllm_dspine.kernels.cpu_replacements import causal_conv1d_fp32_cpu
+    from vllm_dspine.plugin.patches import is_applied
 
-    assert gdn_attention.causal_conv1d_torch._dspine_patched
+    assert is_applied(gdn_attention.causal_conv1d_torch, "cpu-causal-conv1d-fp32")
     g = torch.Generator().manual_seed(0)
     D, W, lens = 96, 4, [3, 0, 1, 9, 2, 5]
     qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
@@ -157,10 +355,15 @@ def test_cpu_causal_conv1d_equals_vllms(patched, state_dtype, with_bias, activat
     want_states, got_states = states.clone(), states.clone()
     want = causal_conv1d_fn_cpu(x, weight, bias, want_states, qsl, slots, initial,
                                 activation=activation)
-    got = _causal_conv1d_fp32_cpu(x, weight, bias, got_states, qsl, slots, initial,
-                                  activation=activation)
+    got = causal_conv1d_fp32_cpu(x, weight, bias, got_states, qsl, slots, initial,
+                                 activation=activation, pad_slot_id=PAD_SLOT_ID)
     assert got.dtype == want.dtype and got.shape == want.shape
     live = torch.cat([torch.arange(int(qsl[i]), int(qsl[i + 1])) for i in range(len(lens))
                       if int(slots[i]) != PAD_SLOT_ID])
     assert torch.equal(got[:, live], want[:, live])
     assert torch.equal(got_states, want_states)
+    # The installed wrapper (vLLM's signature, its default pad slot) gives the same.
+    wired_states = states.clone()
+    wired = gdn_attention.causal_conv1d_torch(x, weight, bias, wired_states, qsl, slots,
+                                              initial, activation=activation)
+    assert torch.equal(wired[:, live], got[:, live]) and torch.equal(wired_states, got_states)

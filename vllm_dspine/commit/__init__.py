@@ -16,7 +16,7 @@ slot through exactly the accepted prefix, in place:
   launcher `gdn_replay_fwd` and the public, validating `gdn_replay`;
 - `runner.py`: the integration into vLLM's runner, CPU path (the verify forward that
   keeps the checkpoint and records the inputs; the commit after sampling), called by
-  the `_patch_gdn_*` helpers in `plugin/patches.py`. The CUDA verify forward is planned
+  the `gdn-*` rows of `plugin/patches/table.py` (`plugin/patches/gdn_commit.py`). The CUDA verify forward is planned
   in docs/hybrid.md and not wired: hybrid targets are refused under `dspine` on CUDA.
 """
 

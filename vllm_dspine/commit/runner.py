@@ -1,7 +1,7 @@
 """The replay commit wired into vLLM 0.32.0's runner, CPU path (docs/hybrid.md).
 
-Active only for a DSpine draft on a Qwen3.5 / Qwen3-Next text target (the patches in
-`plugin/patches.py` mark each GDN layer with `_dspine_replay = True` and give it one
+Active only for a DSpine draft on a Qwen3.5 / Qwen3-Next text target (the `gdn-*` patches in
+`plugin/patches/gdn_commit.py` mark each GDN layer with `_dspine_replay = True` and give it one
 state slot with a W - 1 conv window, no speculative slots). Per step:
 
 1. Verify forward (`gdn_core_cpu`, in place of vLLM's CPU GDN core for marked layers).

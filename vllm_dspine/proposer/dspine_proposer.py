@@ -383,8 +383,9 @@ class DSpineProposer(DFlashProposer):
         self._last_sparse_q = None
 
     def before_step(self, scheduler_output) -> None:
-        """Called before each engine step runs (patch 11): blocks freed since the last
-        step may be written by this step's forward, so the logged writes go first."""
+        """Called before each engine step runs (patch `context-log-before-step`): blocks
+        freed since the last step may be written by this step's forward, so the logged
+        writes go first."""
         if len(self._context_log) and (scheduler_output.finished_req_ids
                                        or scheduler_output.preempted_req_ids):
             self._context_log.flush()
