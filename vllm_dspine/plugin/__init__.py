@@ -13,9 +13,12 @@ def register() -> None:
         return
     from vllm import ModelRegistry
 
+    from vllm_dspine.cpu_env import has_cuda_gpu, respect_cpu_affinity
     from vllm_dspine.hf_config import register_hf_config
     from vllm_dspine.plugin.patches import apply_patches
 
+    if not has_cuda_gpu():
+        respect_cpu_affinity()  # before the engine core spawns its pinned workers
     apply_patches()
     register_hf_config()
     model = "vllm_dspine.model.vllm_model:DSpineDraftForCausalLM"
