@@ -256,3 +256,19 @@ def test_general_command_trains_exports_and_continues(corpus_dir, pair, tmp_path
                           "--name", "again"]) == 0
     rec2 = json.load(open(os.path.join(out2, "training.json")))
     assert len(rec2["stages"]) == 2 and rec2["stages"][0] == rec["stages"][0]
+
+
+def test_committed_corpus_is_complete_and_clean():
+    """Every shard the committed manifest lists is in the tree with the counts it
+    records, its prompts come from training sources only (never a benchmark), and no
+    prompt repeats across shards."""
+    folder = os.path.join(os.path.dirname(__file__), "..", "data", "corpus", "smollm2")
+    manifest = C.read_manifest(folder)
+    assert manifest["shards"], "no committed corpus"
+    corpus = C.Corpus(folder)
+    assert len(corpus) == sum(s["sequences"] for s in manifest["shards"])
+    assert corpus.answer_tokens() == sum(s["answer_tokens"] for s in manifest["shards"])
+    assert set(corpus.source) <= set(C.TRAIN_SOURCES)
+    hashes = [k.split("#")[-1] for k in corpus.key]
+    assert len(hashes) == len(set(hashes)), "a prompt appears in two shards"
+    assert all(0 < a < len(s) for s, a in zip(corpus.sequences, corpus.answer_start))

@@ -128,12 +128,12 @@ def covered_share(token_lists, vocab: torch.Tensor, vocab_size: int) -> float:
     return float(sum(inside[np.asarray(t)].sum() for t in token_lists) / max(1, tot))
 
 
-def load_corpus_data(corpus_dir: str, store: str, target_dir: str, layer_ids, topk: int):
-    """Corpus shards with their features (built where missing)."""
+def load_corpus_data(corpus_dir: str, store: str):
+    """The corpus shards that have features in `store`, with their features (memory-
+    mapped), top-k ids and log-probabilities per sequence."""
     from vllm_dspine.train.corpus import Corpus
-    from vllm_dspine.train.feature_store import FeatureStore, build_store
+    from vllm_dspine.train.feature_store import FeatureStore
 
-    build_store(target_dir, corpus_dir, store, tuple(layer_ids), topk)
     shards = FeatureStore.shards_in(store)
     corpus = Corpus(corpus_dir, shards)
     fs = FeatureStore(store, shards)
@@ -193,12 +193,20 @@ def main(argv: list[str] | None = None) -> int:
 
     from vllm_dspine.cpu_env import set_cpu_defaults
     from vllm_dspine.model.checkpoint import load_draft_checkpoint, save_draft_checkpoint
+    from vllm_dspine.train.feature_store import build_store
     from vllm_dspine.train.loop import DistillData, DistillSettings, distill
     from vllm_dspine.train.target_data import load_target
 
     set_cpu_defaults()
     t_start = time.time()
     work = os.path.abspath(args.work)
+    # Under torchrun: rank 0 builds the feature store, the others wait for it, then every
+    # rank trains on its share of each global batch (DDP, `train/loop.py`); rank 0 exports.
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     tcfg = AutoConfig.from_pretrained(args.target)
     if args.mask_token_id is None:
         raise ValueError("--mask-token-id is required without a --preset: the id of a "
@@ -209,8 +217,12 @@ def main(argv: list[str] | None = None) -> int:
                          tcfg.num_hidden_layers, layers))
     cfg = draft_config_for(tcfg, layers, args.code_dim or 256, args.message_dim or 128,
                            target_layers, args.mask_token_id)
-    corpus, feats, tids, tlp = load_corpus_data(args.corpus, os.path.join(work, "features"),
-                                                args.target, target_layers, args.topk)
+    store = os.path.join(work, "features")
+    if rank == 0:
+        build_store(args.target, args.corpus, store, target_layers, args.topk)
+    if world > 1:
+        dist.barrier()
+    corpus, feats, tids, tlp = load_corpus_data(args.corpus, store)
     vocab = coverage_vocab(corpus.sequences, args.vocab_coverage, tcfg.vocab_size)
     _log(f"corpus: {len(corpus)} sequences, {corpus.answer_tokens()} answer tokens; "
          f"loss vocabulary {len(vocab)} ids")
@@ -248,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     train_dir = os.path.join(work, f"train-{name}")
     _log(f"distilling {name}: {settings}")
     tensors, stats = distill(cfg, init, embed, head, data, settings, train_dir, frozen=frozen)
+    if rank != 0:
+        return 0
     out = os.path.abspath(args.out or os.path.join(work, f"draft-{name}"))
     os.makedirs(out, exist_ok=True)
     cfg = dataclasses.replace(cfg, retrieval_vocab=tuple(vocab.tolist()))
@@ -263,9 +277,9 @@ def main(argv: list[str] | None = None) -> int:
              "answer_tokens": corpus.answer_tokens(), "loss_vocab": len(vocab),
              "settings": dataclasses.asdict(settings), **stats}
     if args.held_out_corpus:
-        ho, hf, _, _ = load_corpus_data(args.held_out_corpus,
-                                        os.path.join(work, "features-held-out"),
-                                        args.target, target_layers, args.topk)
+        held_store = os.path.join(work, "features-held-out")
+        build_store(args.target, args.held_out_corpus, held_store, target_layers, args.topk)
+        ho, hf, _, _ = load_corpus_data(args.held_out_corpus, held_store)
         stage["held_out"] = held_out_acceptance(
             cfg, {k: v.float() for k, v in bf16.items()}, embed, head, vocab, ho, hf,
             args.held_out_seqs)
