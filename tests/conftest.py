@@ -28,6 +28,25 @@ def tiny_trained_pair(tmp_path_factory):
                            trained=True)
 
 
+@pytest.fixture(scope="session")
+def hybrid_trained_pair(tmp_path_factory):
+    """The hybrid pair (`write_hybrid_pair(seed=0)`: the target bytes of
+    `python -m vllm_dspine.pairs hybrid`) with its drafter distilled from the target for a
+    short while, so that drafts are accepted (~0.3 tokens a block) and the replay commits
+    more than one position on some steps; written once per test session for
+    tests/test_hybrid_engine.py and tests/test_hybrid_sampled.py (fixture name
+    `trained_pair` there)."""
+    from hybrid_fixtures import qwen3_5_importable
+    from vllm_dspine.pairs.hybrid import write_hybrid_pair
+    from vllm_dspine.train.tiny_drafter import TrainSettings, train_tiny_drafter
+
+    assert qwen3_5_importable()
+    pair = write_hybrid_pair(str(tmp_path_factory.mktemp("hybrid_trained")), seed=0)
+    train_tiny_drafter(pair.target_dir, pair.draft_dir, seed=0, evaluate=False,
+                       settings=TrainSettings(steps=160, train_seqs=192))
+    return pair
+
+
 @pytest.fixture(scope="module")
 def plain_llm(pair):
     """Plain vLLM (no speculation) on the target of the requesting module's `pair`."""

@@ -91,7 +91,7 @@ def test_hybrid_target_verifies_all_drafts():
     Qwen3.5 / Qwen3-Next GDN architecture; such targets are refused at start anyway):
     vLLM's CPU GDN path is wrong when a step verifies fewer drafts than K (FINDINGS.md),
     so the default becomes 'fixed' and asking for fewer is refused. GDN hybrids take
-    every setting (tests/test_hybrid_pair.py)."""
+    every setting (tests/test_hybrid_pair_offline.py, tests/test_hybrid_engine.py)."""
     from vllm_dspine.config import DSpineConfig
     from vllm_dspine.pairs.tiny import draft_config
     from vllm_dspine.proposer.validation import check_verification_options
