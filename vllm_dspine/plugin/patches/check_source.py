@@ -232,7 +232,7 @@ class SourceTree:
                 skipped.append(symbol.path)
             else:
                 problems += self.check_symbol(symbol)
-        return problems, skipped
+        return list(dict.fromkeys(problems)), skipped  # one line per missing module
 
 
 def source_root(directory: str | Path) -> Path:

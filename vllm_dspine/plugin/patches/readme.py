@@ -23,9 +23,12 @@ def render_index() -> str:
         "applies them at plugin registration (never on import). Each row first checks "
         "that the symbols it names are there as listed; `python -m "
         "vllm_dspine.plugin.patches.check_source DIR` checks them in another vLLM's "
-        "source (docs/compatibility.md).",
+        "source (docs/compatibility.md). One change is made outside the table, per engine "
+        "and through the interface vLLM gives a proposer: `DSpineProposer.load_model` "
+        "(`vllm_dspine/proposer/dspine_proposer.py`) sets its runner's "
+        "`rejection_sampler` to DSpine's verifier.",
         "",
-        "| id | changes | installed when | acts on |",
+        "| id | changes | installed | acts on |",
         "| --- | --- | --- | --- |",
     ]
     for p in PATCHES:
@@ -33,7 +36,7 @@ def render_index() -> str:
         out.append(f"| [`{p.id}`](#{p.id}) | {changed} | {WHEN[p.when]} | {p.acts_on} |")
     for p in PATCHES:
         out += ["", f"## {p.id}", "",
-                f"Applied by `{p.apply.replace(':', '.py:')}`; installed when "
+                f"Applied by `{p.apply.replace(':', '.py:')}`; installed "
                 f"{WHEN[p.when]}; acts on {p.acts_on}.", "",
                 "- **Changes**: " + "; ".join(s.describe() for s in p.changes)]
         if p.checks:

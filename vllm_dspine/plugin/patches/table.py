@@ -24,10 +24,10 @@ QWEN2VL_PIL_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl
 
 # When `apply_patches()` installs a row (apply.py evaluates these).
 WHEN = {
-    "always": "every process",
-    "cpu": "vLLM's current platform is CPU",
-    "no-torchvision": "torchvision is not installed",
-    "step-profile": "VLLM_DSPINE_STEP_PROFILE is set",
+    "always": "always",
+    "cpu": "on the CPU platform",
+    "no-torchvision": "when torchvision is not installed",
+    "step-profile": "when VLLM_DSPINE_STEP_PROFILE is set",
 }
 
 
@@ -112,9 +112,9 @@ PATCHES: tuple[Patch, ...] = (
             "slots before the drafter runs, its synchronous one takes per-request draft "
             "lists of any length and its runner slices each request's cached sparse q to "
             "the verified prefix (the symbols under 'checked').",
-        retire="vLLM lets a plugin register a speculative method (a registry behind "
-               "`SpeculativeConfig.method` naming its proposer class), or DSpine becomes "
-               "a built-in method.",
+        retire="vLLM lets a plugin register a speculative method with its own keys: "
+               "0.34.0 does (`register_speculative_method`, `speculator_options`; "
+               "docs/compatibility.md).",
     ),
     Patch(
         id="min-p-logit-bias-for-dspine",
@@ -145,8 +145,8 @@ PATCHES: tuple[Patch, ...] = (
         how="The name is replaced by a subclass whose metaclass builds `DSpineProposer` "
             "for a DSpine draft and vLLM's `DFlashProposer` otherwise; the runner's "
             "isinstance checks against the name accept either.",
-        retire="The same registry as `dspine-method`: the runner builds the proposer the "
-               "method names.",
+        retire="The same registry as `dspine-method`: 0.34.0's runner builds the "
+               "speculator class the registered method names.",
     ),
     Patch(
         id="logitsprocs-for-dspine",
@@ -163,8 +163,8 @@ PATCHES: tuple[Patch, ...] = (
             "min_p and logit_bias would be silently ignored under DSpine "
             "(`min-p-logit-bias-for-dspine` lifts the request-time refusal).",
         how="For a DSpine draft vLLM's full built-in set is built, as without speculation.",
-        retire="vLLM builds the built-in processors under speculative decoding when the "
-               "verifier applies them.",
+        retire="vLLM builds the built-in processors under speculative decoding (0.34.0's "
+               "only runner, V2, always builds min-p and logit-bias state).",
     ),
     Patch(
         id="cpu-seeded-prefill-rewind",
@@ -180,7 +180,8 @@ PATCHES: tuple[Patch, ...] = (
             "restored after (the rewind vLLM means: the discarded draw consumes nothing), "
             "and swapped for a `torch.Generator` subclass whose offset calls are no-ops.",
         retire="vLLM rewinds CPU generators without offsets, or torch's CPU generator "
-               "supports `set_offset`.",
+               "supports `set_offset` (0.34.0's runner draws seeded requests from seeded "
+               "Gumbel noise, no generator).",
     ),
     Patch(
         id="context-log-before-step",
@@ -219,7 +220,8 @@ PATCHES: tuple[Patch, ...] = (
         how="Replaced by `kernels/cpu_replacements.py:expand_to_tokens_cpu` (in the "
             "output's own dtype); the CPU platform's registered wrapper, if any, is "
             "pointed at it too.",
-        retire="vLLM's `_expand_kernel_impl` copies the result back into a float output.",
+        retire="vLLM's `_expand_kernel_impl` copies the result back into a float output "
+               "(0.34.0 deleted it with the V1 runner).",
     ),
     Patch(
         id="cpu-grouped-rms-norm",
@@ -276,8 +278,9 @@ PATCHES: tuple[Patch, ...] = (
             "'Prefix caching').",
         how="A block size already set is not lowered for a hybrid model unless the user "
             "set it.",
-        retire="`CpuPlatform.check_and_update_config` keeps a block size set earlier, or "
-               "the engine core stops re-running `VllmConfig.__post_init__`.",
+        retire="`CpuPlatform.check_and_update_config` keeps a block size set earlier: "
+               "vLLM 0.33.0 moved the reset to `update_block_size_for_backend` "
+               "(docs/compatibility.md).",
     ),
     # ------------------------------------------------------------------ metrics
     Patch(
@@ -292,7 +295,8 @@ PATCHES: tuple[Patch, ...] = (
                         "per_engine_labelvalues", "is_diffusion")),
                 Symbol("vllm.v1.spec_decode.metrics:SpecDecodingProm.observe",
                        ("self", "spec_decoding_stats", "engine_idx")),
-                Symbol("vllm.v1.spec_decode.metrics:SpecDecodingStats.num_draft_tokens_per_pos"),
+                Symbol("vllm.v1.spec_decode.metrics:"
+                       "SpecDecodingStats.num_draft_tokens_per_pos"),
                 Symbol("vllm.v1.metrics.utils:create_metric_per_engine"),
                 Symbol("vllm.v1.metrics.stats:IterationStats.__init__",
                        uses=("inter_token_latencies_iter",))),
