@@ -342,9 +342,9 @@ def test_drafts_are_accepted(samples):
 # vLLM 0.32.0's `build_logitsprocs` (vllm/v1/sample/logits_processor/__init__.py) builds
 # only MinTokensLogitsProcessor when speculative decoding is on, so with dspine the
 # MinP and LogitBias processors do not exist: min_p and logit_bias are silently ignored
-# at every position, the first token included (patch 4 only lifts vLLM's refusal).
-# The fix belongs in plugin/patches/ (build the built-in processors for DSpine
-# drafts); until it is there these two cases are expected to fail.
+# at every position, the first token included (the patch min-p-logit-bias-for-dspine
+# only lifts vLLM's refusal). The fix is the patch logitsprocs-for-dspine (it builds the
+# built-in processors for DSpine drafts); without it these two cases are expected to fail.
 NEEDS_BUILTIN_PROCESSORS = {"min_p", "logit_bias"}
 
 
