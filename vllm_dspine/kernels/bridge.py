@@ -318,12 +318,14 @@ def bridge_read_fwd(
     block_h: int | None = None,
     block_c: int | None = None,
     num_splits: int | None = None,
+    num_sms: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launches the read; returns codes [N, C] fp32 and rms [N] fp32.
 
     `num_splits` splits H across programs (split-K): with few rows (8 requests x 16)
     there are few (row tile, C tile) programs, and each would stream a long stretch of
-    R_l alone. Default: enough splits to give every SM about one program.
+    R_l alone. Default: enough splits to give every SM about one program (`num_sms`:
+    x's GPU's by default; kernels/aot.py passes a target's when compiling ahead of time).
     """
     assert x.ndim == 2 and x.stride(-1) == 1
     assert read_weight.stride(-1) == 1 and codebook.stride(-1) == 1
@@ -338,7 +340,8 @@ def bridge_read_fwd(
     BLOCK_C = block_c or _pow2(C, 64)
     tiles = triton.cdiv(N, BLOCK_N) * triton.cdiv(C, BLOCK_C)
     h_tiles = triton.cdiv(H, BLOCK_H)
-    splits = num_splits or max(1, min(h_tiles // 4, _num_sms(x.device) // tiles))
+    sms = num_sms or _num_sms(x.device)
+    splits = num_splits or max(1, min(h_tiles // 4, sms // tiles))
     splits = max(1, min(splits, h_tiles))
     h_per_split = triton.cdiv(h_tiles, splits) * BLOCK_H
     splits = triton.cdiv(H, h_per_split)  # no empty split
@@ -386,7 +389,10 @@ def bridge_write_fwd(
     if N == 0:
         return out
     BLOCK_N = _block_n(N, block_n)
-    BLOCK_C = block_c or _pow2(C, 64)
+    # The message kernel holds five [BLOCK_N x BLOCK_C] / [BLOCK_C x BLOCK_M] tiles per
+    # step and three pipeline stages of them: a C step of 64 needed 112 KiB of shared
+    # memory (over sm_89's 99 KiB) and spilled registers there (bench/kernel_compile.py).
+    BLOCK_C = block_c or _pow2(C, 32)
     BLOCK_M = block_m or _pow2(M, 64)
     BLOCK_H = block_h or _pow2(H, 64)
     use_dot = BLOCK_N >= 16

@@ -37,6 +37,9 @@ __all__ = ["FP8Head", "RETRIEVAL_MODES", "fp8_matmul_available", "fp8_head_score
 
 RETRIEVAL_MODES = ("auto", "fp8", "bf16")
 
+# The first compute capability with float8_e4m3fn conversion in Triton (sm_89).
+FP8_MIN_CAPABILITY = (8, 9)
+
 
 if HAS_TRITON:
 
@@ -86,14 +89,28 @@ def fp8_head_scores_fwd(
     block_n: int | None = None,
     block_v: int | None = None,
     block_h: int | None = None,
+    capability: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """Launch `fp8_head_scores_kernel`.  -> [N, V] fp32"""
+    """Launch `fp8_head_scores_kernel`.  -> [N, V] fp32
+
+    capability: the compute capability of the GPU it runs on (default: hidden's CUDA
+    device's; kernels/aot.py passes a target's). Below 8.9 it is refused: Triton converts
+    float8_e4m3fn only on sm_89 and newer.
+    """
     assert HAS_TRITON
     assert hidden.ndim == 2 and hidden.is_contiguous()
     assert fp8_head.weight.is_contiguous() and fp8_head.scale.is_contiguous()
+    if capability is None and hidden.is_cuda:
+        capability = torch.cuda.get_device_capability(hidden.device)
+    if capability is not None and tuple(capability) < FP8_MIN_CAPABILITY:
+        major, minor = capability
+        raise ValueError(
+            f"the FP8 head kernel needs compute capability >= 8.9 (sm_89: L40S, H100 and "
+            f"newer); this GPU has {major}.{minor} (sm_{major}{minor}). Use retrieval "
+            f"mode 'bf16', or 'auto', which picks it there")
     N, H = hidden.shape
     V = fp8_head.vocab_size
-    interpret = not hidden.is_cuda
+    interpret = hidden.device.type == "cpu"  # CPU tensors run under TRITON_INTERPRET=1
     # tl.dot needs every block dim >= 16. Under the interpreter each program costs a
     # numpy call per op, so few, large tiles are fastest there.
     if block_n is None:
@@ -102,13 +119,17 @@ def fp8_head_scores_fwd(
         block_v = 256 if interpret else 128
     if block_h is None:
         block_h = 128 if interpret else 64
+    # The fp32 accumulator tile is spread over the program's threads: 128 x 128 on 4 warps
+    # is 128 values a thread, which spilled on sm_89 (bench/kernel_compile.py); 8 warps
+    # halve it.
+    num_warps = 8 if block_n * block_v >= 128 * 128 else 4
     out = torch.empty(N, V, dtype=torch.float32, device=hidden.device)
     grid = (triton.cdiv(V, block_v), triton.cdiv(N, block_n))
     fp8_head_scores_kernel[grid](
         hidden, fp8_head.weight, fp8_head.scale, out,
         N, V, H,
         hidden.stride(0), fp8_head.weight.stride(0), out.stride(0),
-        BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h,
+        BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, num_warps=num_warps,
     )
     return out
 
@@ -148,7 +169,7 @@ def fp8_matmul_available(device: torch.device | str) -> bool:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
 
 
 def _resolve_mode(mode: str, fp8_head: FP8Head | None, device: torch.device) -> str:

@@ -14,14 +14,17 @@ Steps, in order (`refine_last_write` runs them all):
 2. `serial_tail`: the greedy walk or the sampled chain through S, per request; its
    output is the `SparseProposal` (proposal.py) handed to verification.
 
-Nothing here is a Triton kernel: the work per pair is small, batched torch ops serve
-CPU and CUDA alike.
+The tables are batched torch ops on CPU and CUDA alike (the work per pair is small).
+The walk's 15 dependent steps are one Triton kernel on CUDA (`serial_tail_kernel`,
+tail_walk.py: no host round trip per step) and the PyTorch loop `serial_walk_ref` on
+CPU; both read the same uniforms (`draw_tail_uniforms`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -34,14 +37,13 @@ from vllm_dspine.kernels.tail_ref import (
     predecessor_candidates,
     tail_score_tables_ref,
 )
+from vllm_dspine.kernels.tail_walk import SAMPLING_EPS, serial_tail_fwd
 from vllm_dspine.proposal import SparseProposal
 
 __all__ = ["SAMPLING_EPS", "LastWriteInputs", "TailWeights", "TailTables",
-           "tail_score_tables", "filter_candidate_probs", "serial_tail",
-           "continuous_score_tables", "refine_last_write"]
-
-# vLLM's `_SAMPLING_EPS`: a temperature below it is greedy.
-SAMPLING_EPS = 1e-5
+           "tail_score_tables", "filter_candidate_probs", "draw_tail_uniforms",
+           "serial_walk_ref", "serial_tail", "continuous_score_tables",
+           "refine_last_write"]
 
 # Vocabulary rows per step when building the tables (bounds fp32 temporaries).
 _CHUNK_ROWS = 16384
@@ -233,83 +235,63 @@ def filter_candidate_probs(
     return _softmax(logits)
 
 
-def _draw_uniforms(
-    sampled: torch.Tensor,  # [R] bool (on CPU)
-    K: int,
+def draw_tail_uniforms(
+    temperature: torch.Tensor,  # [R]  0 (below 1e-5) = greedy
+    num_draws: int,
     generators: list[torch.Generator | None],
     device: torch.device,
-) -> torch.Tensor:
-    """One uniform per proposal row: [R, K] float64.
+) -> torch.Tensor | None:
+    """The walk's uniforms: [R, num_draws] float64, or None when no request samples.
 
-    A request with its own generator draws its K uniforms from it (so the same seed gives
-    the same chain whatever the batch); the others share one draw from the global RNG.
-    Greedy requests draw nothing.
+    A request with its own generator draws its `num_draws` uniforms from it (so the same
+    seed gives the same chain whatever the batch); the others share one draw from the
+    global RNG. Which requests sample is read from `temperature` where that costs
+    nothing, on the CPU: greedy requests then draw nothing (and None comes back when no
+    request samples). A CUDA `temperature` is not read (that would wait for the device):
+    every request draws, greedy ones included, and their uniforms go unused. vLLM gives
+    generators only to sampled requests (`SamplingType.RANDOM_SEED`), so a seeded
+    stream advances alike on both; the global RNG advances by R rows instead of the
+    sampled ones, which no seeded request sees.
     """
-    R = sampled.shape[0]
-    u = torch.zeros(R, K, dtype=torch.float64, device=device)
-    rows = [i for i in range(R) if bool(sampled[i])]
+    R = temperature.shape[0]
+    if temperature.is_cuda:
+        rows = list(range(R))
+    else:
+        sampled = (temperature >= SAMPLING_EPS).tolist()
+        rows = [i for i in range(R) if sampled[i]]
+        if not rows:
+            return None
+    u = torch.zeros(R, num_draws, dtype=torch.float64, device=device)
     shared = [i for i in rows if generators[i] is None]
     if shared:
-        u[shared] = torch.rand(len(shared), K, dtype=torch.float64, device=device)
+        u[shared] = torch.rand(len(shared), num_draws, dtype=torch.float64, device=device)
     for i in rows:
         if generators[i] is not None:
-            u[i] = torch.rand(K, dtype=torch.float64, device=device, generator=generators[i])
+            u[i] = torch.rand(num_draws, dtype=torch.float64, device=device,
+                              generator=generators[i])
     return u
 
 
-def serial_tail(
-    S: torch.Tensor,  # [R, K, k, k]  score tables (float64 when any row samples)
+def serial_walk_ref(
+    S: torch.Tensor,  # [R, K, k, k]
     cand_ids: torch.Tensor,  # [R, K, k]
-    temperature: torch.Tensor,  # [R]  0 (below 1e-5) = greedy
-    top_k: torch.Tensor | None = None,  # [R] int
-    top_p: torch.Tensor | None = None,  # [R] float
-    min_p: torch.Tensor | None = None,  # [R] float
-    generators: list[torch.Generator | None] | None = None,  # R entries; None = global RNG
-    draws_per_request: int | None = None,
+    temperature: torch.Tensor,  # [R]
+    top_k: torch.Tensor | None,  # [R] int
+    top_p: torch.Tensor | None,  # [R] float
+    min_p: torch.Tensor | None,  # [R] float
+    uniforms: torch.Tensor | None,  # [R, >= K] float64; None: no request samples
 ) -> SparseProposal:
-    """Walk the tables row by row.
-
-    draws_per_request: how many uniforms a request with its own generator draws from it
-    (>= K; default K). The proposer passes the block's full 15 when it drafts only the
-    first K rows, so that a seeded stream advances by the same amount whatever K was
-    (the seed then reproduces its text whatever the batch did to the row count).
-
-    Greedy requests: j_1 = argmax_j S[0, 0, j], j_t = argmax_j S[t-1, j_{t-1}, j].
-    Sampled requests: q_t(. | i) = filtered softmax of S[t-1, i, :] / T, j_1 ~ q_1(. | 0),
-    j_t ~ q_t(. | j_{t-1}) by inverse CDF of one uniform per row; the q each token was drawn
-    from is retained. Row 1's table rows are all the anchor's, so i = 0 stands for it.
-    """
-    if S.ndim != 4 or S.shape[2] != S.shape[3] or S.shape[:3] != cand_ids.shape:
-        raise ValueError(f"S must be [num_reqs, K, k, k] matching cand_ids [num_reqs, K, k]; "
-                         f"got S {tuple(S.shape)}, cand_ids {tuple(cand_ids.shape)}")
+    """The walk in PyTorch, row by row (the CPU path; `serial_tail` states the rules):
+    the oracle of `serial_tail_kernel` (tail_walk.py)."""
     R, K, k, _ = S.shape
-    if temperature.shape != (R,):
-        raise ValueError(f"temperature must be [{R}], got {tuple(temperature.shape)}")
-    for name, t in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
-        if t is not None and t.shape != (R,):
-            raise ValueError(f"{name} must be [{R}] or None, got {tuple(t.shape)}")
-    if generators is None:
-        generators = [None] * R
-    if len(generators) != R:
-        raise ValueError(f"generators must have one entry per request ({R}), got "
-                         f"{len(generators)}; use None for the global RNG")
-    if bool((temperature < 0).any()):
-        raise ValueError(f"temperature must be >= 0, got {temperature.tolist()}")
-    if top_p is not None and bool(((top_p <= 0) | (top_p > 1)).any()):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p.tolist()}")
-    if min_p is not None and bool(((min_p < 0) | (min_p > 1)).any()):
-        raise ValueError(f"min_p must be in [0, 1], got {min_p.tolist()}")
-
     device = S.device
     greedy = (temperature < SAMPLING_EPS).to(device)  # [R]
-    sampled_cpu = (temperature < SAMPLING_EPS).logical_not().cpu()
-    any_sampled = bool(sampled_cpu.any())
+    any_sampled = bool(greedy.logical_not().any())
+    assert uniforms is not None or not any_sampled, "sampled requests need uniforms"
     work = S.to(torch.float64) if any_sampled else S  # [R, K, k, k]
     temp = torch.where(greedy, torch.ones_like(temperature, dtype=torch.float64),
                        temperature.to(torch.float64))  # [R]
-    n_draws = K if draws_per_request is None else max(K, int(draws_per_request))
-    u = (_draw_uniforms(sampled_cpu, n_draws, generators, device)[:, :K]
-         if any_sampled else None)
+    u = uniforms[:, :K] if any_sampled else None  # [R, K]
 
     arange_r = torch.arange(R, device=device)
     prev = torch.zeros(R, dtype=torch.long, device=device)  # j_{t-1}; 0 stands for the anchor
@@ -335,6 +317,88 @@ def serial_tail(
     ids = cand_ids.long()
     draft = ids.gather(2, chosen[:, :, None]).squeeze(2)  # [R, K]
     return SparseProposal(draft_token_ids=draft, cand_ids=ids, cand_probs=probs_out)
+
+
+def _use_triton(S: torch.Tensor, use_triton: bool | None) -> bool:
+    """CUDA -> Triton, CPU -> reference; `use_triton=True` forces Triton (tests run it
+    on CPU tensors under TRITON_INTERPRET=1)."""
+    if use_triton is None:
+        return S.is_cuda
+    if use_triton and not S.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "serial_tail: use_triton=True on CPU tensors needs TRITON_INTERPRET=1 set "
+            "before triton is imported; move the tensors to CUDA or pass use_triton=None")
+    return use_triton
+
+
+def serial_tail(
+    S: torch.Tensor,  # [R, K, k, k]  score tables (float64 when any row samples)
+    cand_ids: torch.Tensor,  # [R, K, k]
+    temperature: torch.Tensor,  # [R]  0 (below 1e-5) = greedy
+    top_k: torch.Tensor | None = None,  # [R] int
+    top_p: torch.Tensor | None = None,  # [R] float
+    min_p: torch.Tensor | None = None,  # [R] float
+    generators: list[torch.Generator | None] | None = None,  # R entries; None = global RNG
+    draws_per_request: int | None = None,
+    uniforms: torch.Tensor | None = None,  # [R, >= K] float64; None: drawn here
+    use_triton: bool | None = None,
+) -> SparseProposal:
+    """Walk the tables row by row.
+
+    draws_per_request: how many uniforms a request with its own generator draws from it
+    (>= K; default K). The proposer passes the block's full 15 when it drafts only the
+    first K rows, so that a seeded stream advances by the same amount whatever K was
+    (the seed then reproduces its text whatever the batch did to the row count).
+    uniforms: the walk's uniforms, drawn by the caller (row t of request r uses
+    uniforms[r, t]); by default `draw_tail_uniforms` draws them from `generators`.
+
+    Greedy requests: j_1 = argmax_j S[0, 0, j], j_t = argmax_j S[t-1, j_{t-1}, j].
+    Sampled requests: q_t(. | i) = filtered softmax of S[t-1, i, :] / T, j_1 ~ q_1(. | 0),
+    j_t ~ q_t(. | j_{t-1}) by inverse CDF of one uniform per row; the q each token was drawn
+    from is retained. Row 1's table rows are all the anchor's, so i = 0 stands for it.
+
+    use_triton: None runs `serial_tail_kernel` (tail_walk.py, one program per request) on
+    CUDA tensors and `serial_walk_ref` on CPU tensors; True forces the kernel (on CPU
+    tensors under TRITON_INTERPRET=1), False the reference. On CUDA nothing here waits
+    for the device: the settings' values are checked only when they are on the CPU.
+    """
+    if S.ndim != 4 or S.shape[2] != S.shape[3] or S.shape[:3] != cand_ids.shape:
+        raise ValueError(f"S must be [num_reqs, K, k, k] matching cand_ids [num_reqs, K, k]; "
+                         f"got S {tuple(S.shape)}, cand_ids {tuple(cand_ids.shape)}")
+    R, K, k, _ = S.shape
+    if temperature.shape != (R,):
+        raise ValueError(f"temperature must be [{R}], got {tuple(temperature.shape)}")
+    for name, t in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
+        if t is not None and t.shape != (R,):
+            raise ValueError(f"{name} must be [{R}] or None, got {tuple(t.shape)}")
+    if generators is None:
+        generators = [None] * R
+    if len(generators) != R:
+        raise ValueError(f"generators must have one entry per request ({R}), got "
+                         f"{len(generators)}; use None for the global RNG")
+    if not temperature.is_cuda and bool((temperature < 0).any()):
+        raise ValueError(f"temperature must be >= 0, got {temperature.tolist()}")
+    if top_p is not None and not top_p.is_cuda and bool(((top_p <= 0) | (top_p > 1)).any()):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p.tolist()}")
+    if min_p is not None and not min_p.is_cuda and bool(((min_p < 0) | (min_p > 1)).any()):
+        raise ValueError(f"min_p must be in [0, 1], got {min_p.tolist()}")
+    if uniforms is None:
+        n_draws = K if draws_per_request is None else max(K, int(draws_per_request))
+        uniforms = draw_tail_uniforms(temperature, n_draws, generators, S.device)
+    elif uniforms.ndim != 2 or uniforms.shape[0] != R or uniforms.shape[1] < K \
+            or uniforms.dtype != torch.float64:
+        raise ValueError(f"uniforms must be float64 [{R}, >= {K}], got {uniforms.dtype} "
+                         f"{tuple(uniforms.shape)}")
+
+    if not _use_triton(S, use_triton):
+        return serial_walk_ref(S, cand_ids, temperature, top_k, top_p, min_p, uniforms)
+    if uniforms is None:  # nothing samples: the kernel reads no uniform
+        uniforms = torch.zeros(R, K, dtype=torch.float64, device=S.device)
+    settings = [None if t is None else t.contiguous() for t in (top_k, top_p, min_p)]
+    draft, probs = serial_tail_fwd(S.contiguous(), cand_ids.contiguous(),
+                                   temperature.contiguous(), *settings,
+                                   uniforms[:, :K].contiguous())
+    return SparseProposal(draft_token_ids=draft, cand_ids=cand_ids.long(), cand_probs=probs)
 
 
 def continuous_score_tables(

@@ -222,7 +222,7 @@ def sparse_recovered_tokens_kernel(
         # The residual vanished everywhere: draw from p; p == 0 everywhere -> 0.
         best_id = full_id
         if not (full_best > 0):
-            best_id = 0
+            best_id = tl.zeros((), tl.int64)  # int64 as in both branches (compiled Triton)
     tl.store(
         output_token_ids_ptr + req_idx * (max_spec_len + 1) + pos,
         best_id.to(tl.int32),
