@@ -1,4 +1,4 @@
-"""Candidate retrieval (DESIGN section 1.4): the FP8 head, both retrieval paths, the
+"""Candidate retrieval (docs/design.md section 1.4): the FP8 head, both retrieval paths, the
 FP8 coarse-scoring Triton kernel against its reference."""
 
 import pytest
