@@ -89,7 +89,7 @@ def test_async_scheduling_asked_for_is_refused_with_shortened_verification(pair,
 def test_hybrid_target_verifies_all_drafts():
     """A hybrid (recurrent-state) target that DSpine's replay commit does not serve (no
     Qwen3.5 / Qwen3-Next GDN architecture; such targets are refused at start anyway):
-    vLLM's CPU GDN path is wrong when a step verifies fewer drafts than K (FINDINGS.md),
+    vLLM's CPU GDN path is wrong when a step verifies fewer drafts than K (docs/measured.md),
     so the default becomes 'fixed' and asking for fewer is refused. GDN hybrids take
     every setting (tests/test_hybrid_pair_offline.py, tests/test_hybrid_engine.py)."""
     from vllm_dspine.config import DSpineConfig
