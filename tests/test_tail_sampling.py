@@ -1,4 +1,4 @@
-"""The sampled chain of the serial tail (DESIGN section 1.5): drawn chains follow the
+"""The sampled chain of the serial tail (docs/design.md section 1.5): drawn chains follow the
 product of the conditionals, the retained q is the distribution drawn from, vLLM's
 top-k / top-p / min-p semantics on the 16-way distribution, seeds."""
 
