@@ -2,7 +2,7 @@
 pinned vLLM as the row says, at run time and in the installed source; each row is applied
 once, at registration and not on import, and a second `apply_patches()` changes nothing;
 README.md is the table's rendering; another vLLM is refused. Each fix is also tested
-against the bug it fixes (FINDINGS.md).
+against the bug it fixes (docs/measured.md).
 
 The checks that need an unpatched vLLM run in a fresh interpreter (`fresh`): an earlier
 test module of the same session may have applied the patches in this one, and they
@@ -235,7 +235,7 @@ def test_vllm_cpu_expand_override_is_broken_for_floats(fresh):
 
 
 def test_expand_batch_to_tokens_correct_after_patch(patched):
-    """FINDINGS' reproducer: per-token temperatures must be [1.5, 1.5, 1.5, 0.7, 0.7]."""
+    """docs/measured.md's reproducer: per-token temperatures must be [1.5, 1.5, 1.5, 0.7, 0.7]."""
     from vllm.platforms.cpu import CpuPlatform
 
     CpuPlatform.import_kernels()
