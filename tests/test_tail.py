@@ -1,4 +1,4 @@
-"""Serial tail score tables (DESIGN section 1.5): the direct formula and the accelerated
+"""Serial tail score tables (docs/design.md section 1.5): the direct formula and the accelerated
 tables against an independent loop-by-loop brute force, and the greedy walk."""
 
 import math
@@ -68,7 +68,7 @@ def build_tables(case, dtype=torch.float32):
 
 
 def brute_force_scores(case):
-    """Every (row, predecessor, candidate) by loops, float64, from the formula in DESIGN
+    """Every (row, predecessor, candidate) by loops, float64, from the formula in docs/design.md
     section 1.5 written out here independently of the library."""
     inp, tw = case["inputs"], case["weights"]
     w = tw.bridge
