@@ -22,7 +22,7 @@ def validate_dspine_speculative_config(spec_config, options: dict) -> DSpineConf
         raise ValueError(
             f"speculative_config['model'] = {spec_config.model!r} is not a DSpine draft: "
             f"its config.json needs model_type 'dspine' and a 'dspine_config' object "
-            f"(DESIGN section 2). For a DFlash drafter use method 'dflash'.")
+            f"(docs/design.md section 2). For a DFlash drafter use method 'dflash'.")
     cfg = dspine_config_of(draft_hf)
     K = spec_config.num_speculative_tokens
     if K != cfg.num_proposals:
@@ -104,7 +104,7 @@ def check_verification_options(spec_config, cfg: DSpineConfig, options: dict) ->
     if (target.is_hybrid or target.has_inner_state) and not replay_commits(target):
         # Only reachable for a hybrid the replay commit does not serve (check_hybrid_target
         # refuses those at start): vLLM's own CPU GDN speculative path goes wrong when a
-        # step verifies fewer drafts than num_speculative_tokens (FINDINGS.md).
+        # step verifies fewer drafts than num_speculative_tokens (docs/measured.md).
         asked = [name for name, on in (
             ("dspine_verify 'dynamic'", options.get("dspine_verify") == "dynamic"),
             (f"dspine_verify_max {cap}", cap < K),
@@ -115,7 +115,7 @@ def check_verification_options(spec_config, cfg: DSpineConfig, options: dict) ->
                 f"with a hybrid (recurrent-state) target without DSpine's replay commit "
                 f"(docs/hybrid.md); vLLM's CPU Gated DeltaNet speculative path goes wrong "
                 f"when a step verifies fewer drafts than num_speculative_tokens "
-                f"(FINDINGS.md). Remove the setting (such targets verify all {K})")
+                f"(docs/measured.md). Remove the setting (such targets verify all {K})")
         options["dspine_verify"] = "fixed"
     options.setdefault("dspine_verify", "dynamic")
     return options
@@ -149,7 +149,7 @@ def check_loaded_pair(cfg: DSpineConfig, target_model, draft_model) -> torch.Ten
     target_head = getattr(target_model, "lm_head", None)
     if target_head is not None and lm_head is not target_head:
         raise ValueError("the drafter did not get the target's output head shared; DSpine "
-                         "checkpoints carry no lm_head (DESIGN section 2)")
+                         "checkpoints carry no lm_head (docs/design.md section 2)")
     if weight.shape[1] != cfg.hidden_size or weight.shape[0] < cfg.vocab_size:
         raise ValueError(f"target output head {tuple(weight.shape)} does not fit the "
                          f"drafter (vocab {cfg.vocab_size}, hidden {cfg.hidden_size})")
