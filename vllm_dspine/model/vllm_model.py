@@ -42,7 +42,7 @@ class _Weight(nn.Module):
 
 
 class DSpineBridge(nn.Module):
-    """`bridge.*` tensors of DESIGN section 2."""
+    """`bridge.*` tensors of docs/design.md section 2."""
 
     def __init__(self, *, vocab_size: int, hidden_size: int, code_dim: int,
                  message_dim: int, num_layers: int, eps: float, dtype: torch.dtype):
@@ -141,7 +141,7 @@ class DSpineModel(DFlashQwen3Model):
 
         x = input_embeds
         for l, layer in enumerate(self.layers):
-            # residual=None: the layer's input RMSNorm consumes x' (DESIGN 1.3).
+            # residual=None: the layer's input RMSNorm consumes x' (docs/design.md section 1.3).
             hidden, residual = layer(positions=positions, hidden_states=x, residual=None)
             x = hidden + residual  # post-MLP residual
             x_new, codes, rms = code_bridge(x, l, weights, input_ids, is_anchor)
