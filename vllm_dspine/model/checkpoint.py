@@ -1,4 +1,4 @@
-"""Reading, writing and checking DSpine draft checkpoints (DESIGN section 2).
+"""Reading, writing and checking DSpine draft checkpoints (docs/design.md section 2).
 
 A draft folder holds `config.json` and one or more `*.safetensors` files; when there are
 several, `model.safetensors.index.json` may map every tensor to its file. The tensor set
@@ -25,7 +25,7 @@ from vllm_dspine.kernels.bridge_ref import BridgeWeights
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
-_FIX = ("re-export the checkpoint so its tensors match config.json (DESIGN section 2), "
+_FIX = ("re-export the checkpoint so its tensors match config.json (docs/design.md section 2), "
         "or fix config.json to describe the checkpoint you have")
 
 
@@ -51,7 +51,7 @@ def _layer_shapes(cfg: DSpineConfig, l: int) -> dict[str, tuple[int, ...]]:
 
 
 def expected_tensor_shapes(cfg: DSpineConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a draft checkpoint for `cfg` holds, with its shape (DESIGN section 2)."""
+    """Every tensor a draft checkpoint for `cfg` holds, with its shape (docs/design.md 2)."""
     H, C, M, V = cfg.hidden_size, cfg.code_dim, cfg.message_dim, cfg.vocab_size
     F, L = cfg.num_target_features, cfg.num_hidden_layers
     shapes: dict[str, tuple[int, ...]] = {
