@@ -1,4 +1,4 @@
-"""The DSpine drafter in plain PyTorch, readable top to bottom (DESIGN sections 1.1-1.3).
+"""The DSpine drafter in plain PyTorch, readable top to bottom (docs/design.md sections 1.1-1.3).
 
 `block_forward` is the statement of the model: the oracle the vLLM model class
 (`model/vllm_model.py`) is tested against, the training forward (`train/`), and the
@@ -54,7 +54,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 # ------------------------------------------------------------------------- context
 @dataclass
 class DraftContext:
-    """Draft context K/V of S sequences, per draft layer (DESIGN section 1.1)."""
+    """Draft context K/V of S sequences, per draft layer (docs/design.md section 1.1)."""
 
     keys: list[torch.Tensor]  # L x [S, T, KVH, D]  k_norm + RoPE applied
     values: list[torch.Tensor]  # L x [S, T, KVH, D]
@@ -248,7 +248,7 @@ def block_forward(cfg: DSpineConfig, w: dict[str, torch.Tensor],
 
     Row 0 is `ids[s, p]` at position p, rows 1..B-1 the mask token at p+1..p+B-1; the
     context is features[s, :p]. `w` holds the drafter's tensors by checkpoint name
-    (DESIGN section 2); autograd flows through them. attention: "sdpa" (dense block-causal
+    (docs/design.md section 2); autograd flows through them. attention: "sdpa" (dense block-causal
     mask, any device), "xformers" (CUDA with xformers installed; ValueError otherwise) or
     "auto" (xformers where it can run forward and backward, else SDPA; see
     `attention_backend`); the same attention either way.
