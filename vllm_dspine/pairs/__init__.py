@@ -1,4 +1,4 @@
-"""Target + drafter pairs for demos, tests and benchmarks (DESIGN section 4).
+"""Target + drafter pairs for demos, tests and benchmarks (docs/design.md section 4).
 
     python -m vllm_dspine.pairs NAME --out DIR
 
