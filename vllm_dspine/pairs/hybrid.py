@@ -5,7 +5,7 @@
     architecture vLLM 0.32.0 registers for the dense Qwen3.5 / Qwen3.8-27B text stack): 4
     layers, 3 GDN (`linear_attention`) then 1 gated full attention, in bf16 (vLLM's CPU
     GDN path runs bf16 only), with the tiny pair's byte-level tokenizer (written offline);
-  - `draft/`: a random DSpine drafter (DESIGN section 2) that fits it.
+  - `draft/`: a random DSpine drafter (docs/design.md section 2) that fits it.
 
 Sizes are what vLLM 0.32.0's CPU kernels accept: GDN key and value head dim 128 (the CPU
 prefill kernel refuses 32), attention head dim 64. One key head read by two value heads,
