@@ -3,7 +3,7 @@
 `write_tiny_pair(out_dir)` writes
   - `target/`: a dense fp32 Qwen3 (`Qwen3ForCausalLM`, HF layout) that vLLM 0.32.0 runs on
     CPU, with a byte-level tokenizer built with `tokenizers` (no hub access);
-  - `draft/`: a random DSpine drafter (DESIGN section 2) that fits the target.
+  - `draft/`: a random DSpine drafter (docs/design.md section 2) that fits the target.
 
 The target is random except for one planted habit: its output head favours a fixed
 successor of the current byte ("a" -> "b", ..., "~" -> " "), so greedy text is readable
