@@ -1,4 +1,4 @@
-"""Plain PyTorch reference of candidate retrieval (DESIGN section 1.4).
+"""Plain PyTorch reference of candidate retrieval (docs/design.md section 1.4).
 
 The FP8 copy of the output head, the coarse FP8 scores (the oracle of
 `fp8_head_scores_kernel` in `retrieval.py`, and its CPU path) and the exact rescoring.
