@@ -1,4 +1,4 @@
-"""Plain PyTorch reference of the serial tail's score tables (DESIGN section 1.5).
+"""Plain PyTorch reference of the serial tail's score tables (docs/design.md section 1.5).
 
 The direct formula, H-wide per (predecessor, candidate) pair: the oracle that the
 accelerated tables in `tail.py` are tested against, and their fallback.
