@@ -1,5 +1,5 @@
 """Candidate retrieval: FP8 coarse scoring of the whole vocabulary, exact rescoring
-(DESIGN section 1.4).
+(docs/design.md section 1.4).
 
     N rows to score (num_tokens: proposal rows of all requests), H hidden size,
     V vocabulary size, k = head_topk (16), n = coarse_topk (128).
