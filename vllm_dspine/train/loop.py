@@ -2,7 +2,7 @@
 progress bar, resumable checkpoints, a loss curve, and data parallelism by
 torch.distributed (DDP, launched with torchrun; gloo on CPU, nccl on CUDA).
 
-One training example is a block exactly as DESIGN section 1 runs it: anchor `ids[p]` at
+One training example is a block exactly as docs/design.md section 1 runs it: anchor `ids[p]` at
 position p (p in the answer, where decoding drafts), mask rows at p+1..p+15, context =
 target features of 0..p-1; row t is trained with cross-entropy against `ids[p + t]`
 (rows past the end of the text are ignored), weighted towards early rows
