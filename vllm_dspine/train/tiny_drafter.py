@@ -10,7 +10,7 @@ says. `train_tiny_drafter` turns it into one that does:
    (what vLLM hands the drafter: the un-normalised `hidden + residual` after layer i).
    Caution: transformers' `output_hidden_states[i + 1]` is that for every layer but the
    last, whose entry has the final norm applied; forward hooks read the layer outputs.
-3. Blocks as DESIGN section 1 runs them: anchor `ids[p]` at position p, mask rows at
+3. Blocks as docs/design.md section 1 runs them: anchor `ids[p]` at position p, mask rows at
    p+1..p+15, context = features of 0..p-1; row t's logits are trained with
    cross-entropy against `ids[p + t]` (rows 1..15), weighted towards early rows.
    Every drafter tensor is trained (fc, hidden_norm, layers, norm, bridge.*) with AdamW;
