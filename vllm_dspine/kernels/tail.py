@@ -248,19 +248,23 @@ def draw_tail_uniforms(
     global RNG. Which requests sample is read from `temperature` where that costs
     nothing, on the CPU: greedy requests then draw nothing (and None comes back when no
     request samples). A CUDA `temperature` is not read (that would wait for the device):
-    every request draws, greedy ones included, and their uniforms go unused. vLLM gives
-    generators only to sampled requests (`SamplingType.RANDOM_SEED`), so a seeded
-    stream advances alike on both; the global RNG advances by R rows instead of the
-    sampled ones, which no seeded request sees.
+    every request draws, greedy ones included, and their uniforms go unused; the global
+    RNG fills all R rows in one draw and seeded rows are then drawn again from their
+    generators. vLLM gives generators only to sampled requests
+    (`SamplingType.RANDOM_SEED`), so a seeded stream advances alike on both; what the
+    global RNG gives whom differs, which no seeded request sees.
     """
     R = temperature.shape[0]
     if temperature.is_cuda:
-        rows = list(range(R))
-    else:
-        sampled = (temperature >= SAMPLING_EPS).tolist()
-        rows = [i for i in range(R) if sampled[i]]
-        if not rows:
-            return None
+        u = torch.rand(R, num_draws, dtype=torch.float64, device=device)
+        for i, gen in enumerate(generators):
+            if gen is not None:
+                u[i] = torch.rand(num_draws, dtype=torch.float64, device=device, generator=gen)
+        return u
+    sampled = (temperature >= SAMPLING_EPS).tolist()
+    rows = [i for i in range(R) if sampled[i]]
+    if not rows:
+        return None
     u = torch.zeros(R, num_draws, dtype=torch.float64, device=device)
     shared = [i for i in rows if generators[i] is None]
     if shared:

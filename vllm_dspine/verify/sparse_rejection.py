@@ -23,10 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_dspine.verify.sparse_rejection_ref import (
-    PLACEHOLDER_TOKEN_ID,
-    sparse_rejection_sample_ref,
-)
+# vLLM's PLACEHOLDER_TOKEN_ID (vllm/v1/sample/rejection_sampler.py), the value after a
+# row's last token. Stated, not imported, and the reference imported where the CPU path
+# needs it: this module then loads without vLLM (bench/gpu_check.py runs the kernels on
+# a machine without it; tests/test_gpu_check.py checks the value is vLLM's).
+PLACEHOLDER_TOKEN_ID = -1
 
 
 @triton.jit(do_not_specialize=["max_spec_len"])
@@ -424,6 +425,8 @@ def sparse_rejection_sample(
         target_argmax, uniform_probs, inv_exp,
     )
     if not use_triton:
+        from vllm_dspine.verify.sparse_rejection_ref import sparse_rejection_sample_ref
+
         return sparse_rejection_sample_ref(*args)
     contiguous = [t.contiguous() if isinstance(t, torch.Tensor) else t for t in args]
     return sparse_rejection_sample_fwd(*contiguous)
