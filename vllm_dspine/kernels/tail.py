@@ -1,5 +1,5 @@
 """The serial tail: score tables of the refined last write, and the walk through them
-(DESIGN section 1.5).
+(docs/design.md section 1.5).
 
     R requests, B block rows (row 0 = anchor), K = B - 1 proposal rows,
     k = head_topk candidates per row, H hidden, C code width, M message width, V vocab.
