@@ -318,20 +318,20 @@ class Check:
         is_greedy = torch.arange(R, device=dev) % 3 == 0
         uniform = torch.rand(T, generator=g, device=dev, dtype=torch.float64)
         inv_exp = 1.0 / torch.empty(R, V, device=dev).exponential_(generator=g)
-        args = (draft, num_draft, K, cu, cand, q, p, bonus, is_greedy, p.argmax(-1), uniform,
+        target_argmax = p.argmax(-1)  # [T]
+        args = (draft, num_draft, K, cu, cand, q, p, bonus, is_greedy, target_argmax, uniform,
                 inv_exp)
+        oracle_args = (draft, K, q_dense, p, target_argmax, bonus, is_greedy, uniform, inv_exp,
+                       sr.PLACEHOLDER_TOKEN_ID)
         got = sr.sparse_rejection_sample(*args, use_triton=True)
-        want = dense_rejection_oracle(draft, K, q_dense, p, bonus, is_greedy, uniform,
-                                      inv_exp, sr.PLACEHOLDER_TOKEN_ID)
+        want = dense_rejection_oracle(*oracle_args)
         same = torch.equal(got.cpu(), want.cpu())
         accepted = int((got[:, :K] == draft.view(R, K).to(got.dtype)).sum())
         self.add(Row("kernels", f"sparse rejection: {R} requests x {K} drafts, V {V}",
                      f"output {'equal' if same else 'DIFFERS'} (dense statement); "
                      f"{accepted} of {T} drafts accepted", same,
                      self.clock(lambda: sr.sparse_rejection_sample(*args, use_triton=True)),
-                     self.clock(lambda: dense_rejection_oracle(
-                         draft, K, q_dense, p, bonus, is_greedy, uniform, inv_exp,
-                         sr.PLACEHOLDER_TOKEN_ID), iters=3),
+                     self.clock(lambda: dense_rejection_oracle(*oracle_args), iters=3),
                      "reference column: the dense statement (a loop, not a fast path)"))
 
     def check_replay(self) -> None:
@@ -480,10 +480,10 @@ class Check:
                            lambda: sr.sparse_rejection_sample(*args, use_triton=True))
 
 
-def dense_rejection_oracle(draft, K, q_dense, p, bonus, is_greedy, uniform, inv_exp,
-                           placeholder) -> torch.Tensor:
+def dense_rejection_oracle(draft, K, q_dense, p, target_argmax, bonus, is_greedy, uniform,
+                           inv_exp, placeholder) -> torch.Tensor:
     """What `sparse_rejection_ref.py` specifies, stated densely, one request at a time:
-    greedy requests accept while the draft is p's argmax (emitting the argmax); random
+    greedy requests accept while the draft is the target's argmax (emitting it); random
     ones while q(v) > 0 and p(v) / q(v) >= u; a rejected row emits
     argmax_v max(p - q, 0)(v) * inv_exp[r, v] (lowest id on ties; NaN counts 0), or
     argmax p * inv_exp where the residual is 0 everywhere, or 0 where p is; a request
@@ -493,7 +493,7 @@ def dense_rejection_oracle(draft, K, q_dense, p, bonus, is_greedy, uniform, inv_
     # The kernels' arithmetic: fp32 probabilities and noise, the float64 uniforms.
     draft, q_dense, p = draft.cpu().long(), q_dense.cpu().float(), p.cpu().float()
     uniform, inv_exp = uniform.cpu().double(), inv_exp.cpu()
-    argmax = p.argmax(-1)
+    argmax = target_argmax.cpu()
     for r in range(R):
         for t in range(K):
             i, v = r * K + t, int(draft[r * K + t])
