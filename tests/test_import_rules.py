@@ -20,10 +20,10 @@ import pytest
 PACKAGE = "vllm_dspine"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / PACKAGE
 
-# The stages of docs/architecture.md ("Import rules"): a module's stage is its folder
-# under vllm_dspine/; the top-level modules (config, proposal, hf_config, cpu_env,
-# step_profile, the package itself) are `shared`. Each stage may import only the
-# stages listed for it (and itself).
+# The stages of docs/architecture.md (rule "Imports point down the stages"): a module's
+# stage is its folder under vllm_dspine/; the top-level modules (config, proposal,
+# hf_config, cpu_env, step_profile, the package itself) are `shared`. Each stage may
+# import only the stages listed for it (and itself).
 ALLOWED = {
     "shared": set(),
     "kernels": {"shared"},
@@ -36,6 +36,7 @@ ALLOWED = {
     "train": {"shared", "kernels", "model"},
     "pairs": {"shared", "kernels", "model", "train"},
 }
+
 
 @dataclass(frozen=True)
 class Edge:
