@@ -101,7 +101,7 @@ def main() -> None:
         f"### Kernels compiled for GPU targets (bench/kernel_compile.py), "
         f"{datetime.date.today().isoformat()}",
         "",
-        f"Compiled ahead of time on {machine()} (no GPU: nothing ran); Triton "
+        f"Compiled ahead of time on {machine()}: nothing ran; Triton "
         f"{triton.__version__}, git {git_rev()}; {time.time() - t0:.0f} s. "
         f"{REQS} requests a step; shape sets: "
         + "; ".join(f"{name}: H {d.hidden}, C {d.code}, M {d.message}, V {d.vocab}, "
