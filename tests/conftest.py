@@ -1,10 +1,194 @@
+"""What the whole test session shares (docs/testing.md): the tiers, the engines, the
+pairs with their distilled drafters, the `vllm serve` of the tiny pair.
+
+Tiers: tests marked `full` run only in `bash scripts/test.sh --full` (scripts/test.sh
+deselects them with `-m "not full"` otherwise).
+
+Engines: vLLM engines are the suite's cost (~25-40 s to start on 2 cores), so every
+engine test gets its engine from the session's `engines` registry (`EngineRegistry`):
+one engine per configuration, shared by every module that asks for the same one, and
+shut down explicitly (when evicted, when a private engine's block ends, at the end of
+the session).
+"""
+
+from __future__ import annotations
+
 import os
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import contextlib  # noqa: E402
+import json  # noqa: E402
 
-import pytest
+import pytest  # noqa: E402
+
+# Module order of a session: modules without engines first (in their usual order), then
+# the engine modules grouped by the engines they share, so that a shared engine is
+# started once rather than once per group it is evicted from (`EngineRegistry`).
+ENGINE_MODULE_ORDER = (
+    # the tiny pair: the plain engine, the default DSpine engine
+    "test_dynamic_engine", "test_robust_engine", "test_robust_faults", "test_vllm_e2e",
+    "test_exact_distribution", "test_draft_folder_changes",
+    # `vllm serve` of the tiny pair (the Ray test compares with it)
+    "test_serve", "test_ray_serve",
+    # the hybrid pair, then SmolLM2
+    "test_hybrid_engine", "test_hybrid_sampled", "test_smollm2_convert", "test_smollm2_pair",
+)
 
 
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item):
+        name = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        return (ENGINE_MODULE_ORDER.index(name) + 1) if name in ENGINE_MODULE_ORDER else 0
+
+    items.sort(key=rank)  # stable: the order inside a module and among the others stays
+
+
+# ------------------------------------------------------------------------ engines
+def _shutdown(llm) -> None:
+    """Ends an engine's core process (vLLM 0.32.0's `LLM` has no shutdown of its own;
+    its engine-core client does, and is what the client's finalizer would call when the
+    LLM is garbage collected, i.e. at some unknown later point)."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _vllm_collectors() -> list:
+    from prometheus_client import REGISTRY
+
+    return [c for c in list(REGISTRY._collector_to_names)
+            if getattr(c, "_name", "").startswith("vllm:")]
+
+
+class EngineRegistry:
+    """vLLM engines (`vllm.LLM`, built by `engine_utils.make_llm`) of one test session.
+
+    `get(target, spec, dump_dir=None, **kwargs)`: the shared engine of that configuration
+    (target, speculative config, engine arguments, debug-dump folder), started on first
+    use. At most `max_alive` engines live at once (each is a process with ~1 GiB of KV
+    cache); starting one more shuts the least recently used down first, except engines
+    the running module has asked for (a module-scoped fixture may hold them), so an
+    engine asked for again by a later module may have to start again (the module order
+    of `pytest_collection_modifyitems` keeps the modules that share engines together).
+
+    `private(target, spec, **kwargs)`: a context manager for an engine only one test
+    needs (a poisoned drafter, a small KV budget): started, yielded, shut down at the end
+    of the block.
+
+    Metrics: vLLM's Prometheus registry is one per process and every new LLM unregisters
+    the collectors of those before it, so `LLM.get_metrics()` would read the newest
+    engine whichever it was called on. The registry records each engine's collectors
+    when it starts, and its `get_metrics` puts them back first: each engine reads its
+    own counters."""
+
+    def __init__(self, max_alive: int = 3):
+        self.max_alive = max_alive
+        self._alive: dict[str, object] = {}  # key -> LLM, least recently used first
+        self._used_by_module: set[str] = set()
+        self._module = None
+        self.started: list[str] = []  # keys, in start order (engine starts of the session)
+
+    # --------------------------------------------------------------- public
+    def get(self, target_dir, spec: dict | None = None, dump_dir: str | None = None,
+            **kwargs):
+        from engine_utils import ENGINE_DEFAULTS
+
+        key = json.dumps([str(target_dir), spec, dump_dir, {**ENGINE_DEFAULTS, **kwargs}],
+                         sort_keys=True, default=str)
+        self._used_by_module.add(key)
+        if key in self._alive:
+            self._alive[key] = self._alive.pop(key)  # most recently used
+            return self._alive[key]
+        self._make_room(1)
+        llm = self._start(target_dir, spec, dump_dir, kwargs)
+        self._alive[key] = llm
+        self.started.append(key)
+        return llm
+
+    @contextlib.contextmanager
+    def private(self, target_dir, spec: dict | None = None, dump_dir: str | None = None,
+                **kwargs):
+        self._make_room(1)
+        llm = self._start(target_dir, spec, dump_dir, kwargs)
+        self.started.append("private " + json.dumps([str(target_dir), spec, kwargs],
+                                                    sort_keys=True, default=str))
+        try:
+            yield llm
+        finally:
+            _shutdown(llm)
+
+    def release(self, llm) -> None:
+        """Shut a shared engine down now (a module that knows it is its last user)."""
+        for key, alive in list(self._alive.items()):
+            if alive is llm:
+                del self._alive[key]
+                _shutdown(llm)
+
+    def module_is(self, name: str) -> None:
+        """The running test's module: engines asked for by an earlier module may go."""
+        if name != self._module:
+            self._module = name
+            self._used_by_module.clear()
+
+    def close(self) -> None:
+        import logging
+
+        # After an interrupt pytest may have closed the capture stream vLLM's logger
+        # writes to; its shutdown messages would each print a "Logging error" trace.
+        raise_exceptions, logging.raiseExceptions = logging.raiseExceptions, False
+        try:
+            while self._alive:
+                _shutdown(self._alive.pop(next(iter(self._alive))))
+        finally:
+            logging.raiseExceptions = raise_exceptions
+
+    # -------------------------------------------------------------- helpers
+    def _make_room(self, n: int) -> None:
+        for key in list(self._alive):
+            if len(self._alive) + n <= self.max_alive:
+                return
+            if key not in self._used_by_module:
+                _shutdown(self._alive.pop(key))
+
+    def _start(self, target_dir, spec, dump_dir, kwargs):
+        from engine_utils import make_llm
+
+        if dump_dir:  # read by the DSpine proposer when the engine starts
+            os.environ["VLLM_DSPINE_DEBUG_DUMP"] = str(dump_dir)
+        try:
+            llm = make_llm(target_dir, spec, **kwargs)
+        finally:
+            os.environ.pop("VLLM_DSPINE_DEBUG_DUMP", None)
+        collectors = _vllm_collectors()  # this engine's: the LLM unregistered the others
+        own_get_metrics = llm.get_metrics
+
+        def get_metrics():
+            from prometheus_client import REGISTRY
+
+            for c in _vllm_collectors():
+                REGISTRY.unregister(c)
+            for c in collectors:
+                REGISTRY.register(c)
+            return own_get_metrics()
+
+        llm.get_metrics = get_metrics
+        return llm
+
+
+@pytest.fixture(scope="session")
+def engines():
+    registry = EngineRegistry(int(os.environ.get("DSPINE_TEST_ENGINES", "3")))
+    yield registry
+    print(f"\nengine starts this session: {len(registry.started)}")
+    registry.close()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _engines_of_this_module(request, engines):
+    """Tells the registry which module runs (its engines are the ones not to evict)."""
+    engines.module_is(request.module.__name__)
+
+
+# -------------------------------------------------------------------------- misc
 @pytest.fixture
 def one_thread():
     """One torch thread for the test (modules of small CPU ops use it for all their tests:
@@ -17,15 +201,16 @@ def one_thread():
     torch.set_num_threads(old)
 
 
+# -------------------------------------------------------------------------- pairs
 @pytest.fixture(scope="session")
 def tiny_trained_pair(tmp_path_factory):
-    """The tiny pair with its distilled drafter (`write_tiny_pair(seed=0, trained=True)`:
-    deterministic, ~1.5 min of distillation), written once per test session and only
-    read by the modules that use it (under their own fixture name `pair`)."""
-    from vllm_dspine.pairs.tiny import write_tiny_pair
+    """The tiny pair (`write_tiny_pair(seed=0)`) with its distilled drafter, committed in
+    tests/data/tiny-trained-draft/ (tests/trained_drafters.py; distilled again and
+    compared in tests/test_trained_drafters.py). Written once per session and only read
+    by the modules that use it (under their own fixture name `pair`)."""
+    from trained_drafters import pair_with_committed_drafter
 
-    return write_tiny_pair(str(tmp_path_factory.mktemp("tiny_trained_pair")), seed=0,
-                           trained=True)
+    return pair_with_committed_drafter("tiny", str(tmp_path_factory.mktemp("tiny_trained")))
 
 
 @pytest.fixture(scope="session")
@@ -33,23 +218,57 @@ def hybrid_trained_pair(tmp_path_factory):
     """The hybrid pair (`write_hybrid_pair(seed=0)`: the target bytes of
     `python -m vllm_dspine.pairs hybrid`) with its drafter distilled from the target for a
     short while, so that drafts are accepted (~0.3 tokens a block) and the replay commits
-    more than one position on some steps; written once per test session for
-    tests/test_hybrid_engine.py and tests/test_hybrid_sampled.py (fixture name
-    `trained_pair` there)."""
+    more than one position on some steps; committed in tests/data/hybrid-trained-draft/
+    (tests/trained_drafters.py). For tests/test_hybrid_engine.py and
+    tests/test_hybrid_sampled.py (fixture name `trained_pair` there)."""
     from hybrid_fixtures import qwen3_5_importable
-    from vllm_dspine.pairs.hybrid import write_hybrid_pair
-    from vllm_dspine.train.tiny_drafter import TrainSettings, train_tiny_drafter
+    from trained_drafters import pair_with_committed_drafter
 
     assert qwen3_5_importable()
-    pair = write_hybrid_pair(str(tmp_path_factory.mktemp("hybrid_trained")), seed=0)
-    train_tiny_drafter(pair.target_dir, pair.draft_dir, seed=0, evaluate=False,
-                       settings=TrainSettings(steps=160, train_seqs=192))
-    return pair
+    return pair_with_committed_drafter("hybrid",
+                                       str(tmp_path_factory.mktemp("hybrid_trained")))
 
 
-@pytest.fixture(scope="module")
-def plain_llm(pair):
-    """Plain vLLM (no speculation) on the target of the requesting module's `pair`."""
-    from engine_utils import make_llm
+@pytest.fixture
+def plain_llm(engines, pair):
+    """Plain vLLM (no speculation) on the target of the requesting module's `pair`,
+    `engine_utils.make_llm`'s settings: shared by every module of the session."""
+    return engines.get(pair.target_dir)
 
-    return make_llm(pair.target_dir)
+
+@pytest.fixture(scope="session")
+def smollm2_pair(tmp_path_factory):
+    """`python -m vllm_dspine.pairs smollm2 --out DIR --cache <the download cache>`: the
+    SmolLM2 target converted from the wheel's GGUF once per session, and the committed
+    drafter (tests/test_smollm2_pair.py; tests/test_smollm2_convert.py checks this
+    conversion)."""
+    from pathlib import Path
+
+    from vllm_dspine.pairs.__main__ import main
+    from vllm_dspine.pairs.smollm2 import default_cache_dir
+
+    out = tmp_path_factory.mktemp("smollm2")
+    assert main(["smollm2", "--out", str(out), "--cache", default_cache_dir()]) == 0
+    return Path(out)
+
+
+# ------------------------------------------------------------------ vllm serve
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory, tiny_trained_pair):
+    """One `vllm serve` of the tiny pair with `--speculative-config` DSpine (the default
+    settings, the distilled drafter) and engine_utils.SERVE_ARGS, for tests/test_serve.py and the
+    reference answers of tests/test_ray_serve.py; started on first use, not yet up
+    (`wait_up`), stopped at the end of the session."""
+    from engine_utils import SERVE_ARGS, dspine_spec, engine_env
+    from vllm_dspine.serving.openai_server import VllmServer
+
+    engine_env()
+    pair = tiny_trained_pair
+    srv = VllmServer(pair.target_dir,
+                     ["--speculative-config", json.dumps(dspine_spec(pair.draft_dir)),
+                      *SERVE_ARGS],
+                     tmp_path_factory.mktemp("serve") / "serve.log")
+    try:
+        yield srv
+    finally:
+        srv.stop()

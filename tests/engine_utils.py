@@ -22,18 +22,27 @@ def dspine_spec(draft_dir: str, **extra) -> dict:
             "num_speculative_tokens": DSPINE_K, **extra}
 
 
+# A 2048-token step budget: 50+ prompts of up to ~400 tokens cannot all prefill in one
+# step, so prefills are chunked and arrive while other requests decode, and 48 decoding
+# requests x 16 verified positions still fit in one step.
+ENGINE_DEFAULTS = dict(dtype="float32", max_model_len=512, enforce_eager=True,
+                       max_num_seqs=48, max_num_batched_tokens=2048, seed=0,
+                       gpu_memory_utilization=0.15, disable_log_stats=False)
+
+
 def make_llm(target_dir: str, spec: dict | None = None, **kwargs):
+    """`vllm.LLM` on `target_dir` with ENGINE_DEFAULTS (overridden by `kwargs`). Tests get
+    their engines from conftest.py's `engines` registry, which calls this."""
     engine_env()
     from vllm import LLM
 
-    # A 2048-token step budget: 50+ prompts of up to ~400 tokens cannot all prefill in
-    # one step, so prefills are chunked and arrive while other requests decode, and
-    # 48 decoding requests x 16 verified positions still fit in one step.
-    args = dict(dtype="float32", max_model_len=512, enforce_eager=True, max_num_seqs=48,
-                max_num_batched_tokens=2048, seed=0, gpu_memory_utilization=0.15,
-                disable_log_stats=False)
-    args.update(kwargs)
-    return LLM(str(target_dir), speculative_config=spec, **args)
+    return LLM(str(target_dir), speculative_config=spec, **{**ENGINE_DEFAULTS, **kwargs})
+
+
+# `vllm serve` flags of the tiny pair's servers (conftest.py's `tiny_server`, the Ray
+# Serve replicas of tests/test_ray_serve.py): the same engine settings as make_llm's.
+SERVE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+              "--gpu-memory-utilization", "0.15", "--seed", "0", "--served-model-name", "tiny"]
 
 
 def prompts_of_lengths(n: int, longest: int = 400) -> list[str]:

