@@ -1,7 +1,8 @@
 """DSpine through vLLM on CPU, end to end, on the small pair the project writes.
 
-Engines are expensive (~25 s to start on 2 cores), so this module starts two and shares
-them: a plain engine and a DSpine engine over the same target. The DSpine engine dumps
+Engines are expensive (~25 s to start on 2 cores), so this module uses two, from the
+session's registry (conftest.py): the plain engine over the target (shared with the other
+modules of the tiny pair) and a DSpine engine of its own. The DSpine engine dumps
 each drafting step (VLLM_DSPINE_DEBUG_DUMP) so the vLLM model class, its candidates,
 greedy drafts and retained sampled q can be checked against the plain-PyTorch reference
 drafter + tail, and vLLM's spec-decode counters against the dumped drafts. It verifies
@@ -18,8 +19,7 @@ import os
 import pytest
 import torch
 
-from engine_utils import (assert_candidates_match_reference, dspine_spec, make_llm,
-                          prompts_of_lengths)
+from engine_utils import assert_candidates_match_reference, dspine_spec, prompts_of_lengths
 from vllm_dspine.serving.metrics import spec_decode_counters
 
 pytestmark = pytest.mark.engine
@@ -32,18 +32,14 @@ def pair(tiny_trained_pair):
 
 @pytest.fixture(scope="module")
 def dump_dir(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("dspine_dump"))
-    os.environ["VLLM_DSPINE_DEBUG_DUMP"] = d
-    yield d
-    os.environ.pop("VLLM_DSPINE_DEBUG_DUMP", None)
+    return str(tmp_path_factory.mktemp("dspine_dump"))
 
 
 @pytest.fixture(scope="module")
-def spec_llm(pair, dump_dir, plain_llm):
-    # Built after plain_llm on purpose: an LLM's Prometheus logger unregisters the
-    # metrics of engines built before it in the same process, and the tests read the
-    # DSpine engine's spec-decode counters.
-    return make_llm(pair.target_dir, dspine_spec(pair.draft_dir, dspine_verify="fixed"))
+def spec_llm(engines, pair, dump_dir):
+    # Each engine of the registry reads its own spec-decode counters (conftest.py).
+    return engines.get(pair.target_dir, dspine_spec(pair.draft_dir, dspine_verify="fixed"),
+                       dump_dir=dump_dir)
 
 
 @pytest.fixture(scope="module")
@@ -172,17 +168,6 @@ def mixed_run(spec_llm, dump_dir):
     return prompts, params, first, again, steps
 
 
-def _builtin_processors_built() -> bool:
-    """Whether the plugin makes vLLM build its MinP/LogitBias processors under
-    speculative decoding (without it min_p is silently ignored; see
-    tests/test_exact_distribution.py)."""
-    import vllm.v1.worker.gpu_model_runner as gmr
-
-    from vllm_dspine.plugin.patches import is_applied
-
-    return is_applied(gmr.build_logitsprocs, "logitsprocs-for-dspine")
-
-
 def test_mixed_batch_greedy_exact_and_seeds_reproduce(plain_llm, mixed_run):
     """Greedy and sampled requests with different temperature/top-p/top-k/min-p/seed in
     one batch: the greedy ones equal plain greedy decoding, the seeded sampled ones give
@@ -227,7 +212,8 @@ def test_sampled_tokens_stay_in_their_filtered_support(target, mixed_run):
     """Every token a sampled request emitted is one its own top-k/top-p/min-p allow at
     that position (target logits recomputed in transformers): the per-request filters
     reach the verifier through batch reordering. (min_p needs vLLM's MinP processor,
-    see `_builtin_processors_built`.)"""
+    which vLLM 0.32.0 builds under speculative decoding only with the plugin's patch
+    row logitsprocs-for-dspine.)"""
     _, params, first, _, _ = mixed_run
     cut = 0
     for i, (o, sp) in enumerate(zip(first, params)):
@@ -240,9 +226,6 @@ def test_sampled_tokens_stay_in_their_filtered_support(target, mixed_run):
         keep = _allowed(rows, sp)
         cut += int((~keep).sum())
         bad = [j for j, t in enumerate(gen) if not keep[j, t]]
-        if bad and sp.min_p > 0 and not _builtin_processors_built():
-            pytest.xfail(f"request {i}: min_p={sp.min_p} ignored under speculative "
-                         f"decoding (vLLM builds no MinP processor; fix in plugin/patches/)")
         assert not bad, f"request {i} ({sp}): tokens at {bad} are outside its filters"
     assert cut > 1000, "the filters cut nothing: the check would not see a leak"
 
@@ -282,7 +265,6 @@ def test_sampled_proposal_matches_reference(pair, target, mixed_run):
                 continue  # finishing step (never verified) or a discarded partial prefill
             entries.setdefault(req_id, []).append((step, r, p))
     checked = {"sampled": 0, "greedy": 0, "near_ties": 0}
-    min_p_mismatch = []
     for req_id, todo in entries.items():
         todo = todo[:: max(1, len(todo) // 8)][:8]
         seq, sp = by_id[req_id.split("-")[0]]
@@ -311,7 +293,7 @@ def test_sampled_proposal_matches_reference(pair, target, mixed_run):
         for b, (step, r, p) in enumerate(todo):
             drafts = step["draft_token_ids"][r].view(-1).tolist()
             got = step["cand_probs"][r].double()  # [K, k]
-            prev, matched = 0, True
+            prev = 0
             for t in range(K):
                 row = S[b, t, prev]
                 if sp.temperature == 0:
@@ -322,28 +304,18 @@ def test_sampled_proposal_matches_reference(pair, target, mixed_run):
                         torch.tensor([sp.top_k]), torch.tensor([sp.top_p]),
                         torch.tensor([sp.min_p], dtype=torch.float64))[0]
                 j = cand[b, t].tolist().index(drafts[t])
-                if not torch.allclose(got[t], want, atol=1e-4, rtol=0):
-                    if sp.min_p > 0:
-                        min_p_mismatch.append((req_id, p, t))
-                        matched = False
-                        break
-                    raise AssertionError(f"{req_id} anchor {p} row {t + 1}: q "
-                                         f"{got[t].tolist()} != reference {want.tolist()}")
+                # min_p requests included: their q must apply min-p too (patch row
+                # logitsprocs-for-dspine builds vLLM's MinP processor under DSpine).
+                assert torch.allclose(got[t], want, atol=1e-4, rtol=0), \
+                    f"{req_id} anchor {p} row {t + 1} (min_p {sp.min_p}): q " \
+                    f"{got[t].tolist()} != reference {want.tolist()}"
                 assert want[j] > 0, f"{req_id} anchor {p} row {t + 1}: draft has q = 0"
                 prev = j
-            if matched:
-                checked["greedy" if sp.temperature == 0 else "sampled"] += 1
+            checked["greedy" if sp.temperature == 0 else "sampled"] += 1
     assert checked["sampled"] >= 20 and checked["greedy"] >= 4, checked
     # Near-ties are rare (0 in most runs, 1 seen once in ~60 blocks); many of them
     # would mean the engine's features drifted from the target's.
     assert checked["near_ties"] <= 3, checked
-    if min_p_mismatch:
-        if not _builtin_processors_built():
-            pytest.xfail(f"{len(min_p_mismatch)} blocks of min_p requests drafted "
-                         f"without min-p (vLLM builds no MinP processor under speculative "
-                         f"decoding; fix in plugin/patches/); {checked} blocks matched")
-        raise AssertionError(f"min_p requests' q differ from the reference: "
-                             f"{min_p_mismatch[:5]}")
 
 
 def _target_features(target_dir, layer_ids, token_ids):
@@ -427,15 +399,16 @@ def test_vllm_drafter_matches_reference_drafter(pair, spec_llm, dump_dir):
     assert checked >= 6, f"only {checked} drafting steps were checked"
 
 
-def test_sliding_window_drafter_matches_reference(tmp_path_factory, dump_dir):
+def test_sliding_window_drafter_matches_reference(engines, tmp_path_factory):
     """A drafter with a 32-position window, on contexts longer than the window: vLLM's
     sliding-window KV for the draft layers agrees with the reference's window mask."""
     from vllm_dspine.pairs.tiny import write_tiny_pair
 
     pair = write_tiny_pair(str(tmp_path_factory.mktemp("pair_sw")), seed=1,
                            draft_sliding_window=32)
-    llm = make_llm(pair.target_dir, dspine_spec(pair.draft_dir), max_num_seqs=4)
-    long_prompt = "the quick brown fox jumps over the lazy dog " * 2
-    checked = _check_against_reference(pair, llm, dump_dir, [long_prompt, "abc"], 48)
+    dump_dir = str(tmp_path_factory.mktemp("dspine_dump_sw"))
+    with engines.private(pair.target_dir, dspine_spec(pair.draft_dir), dump_dir=dump_dir,
+                         max_num_seqs=4) as llm:
+        long_prompt = "the quick brown fox jumps over the lazy dog " * 2
+        checked = _check_against_reference(pair, llm, dump_dir, [long_prompt, "abc"], 48)
     assert checked >= 4
-    del llm
