@@ -1,6 +1,8 @@
 """What vLLM users combine with speculation, each exact against plain decoding (or
 refused with a message), through one DSpine engine with the default settings (dynamic
-verification) and one plain engine over the same tiny pair.
+verification) and one plain engine over the same tiny pair (both from the session's
+registry, conftest.py: shared with tests/test_dynamic_engine.py and the other modules of
+the tiny pair).
 
 Covered: structured outputs (regex, JSON schema, choice), n > 1, logprobs,
 prompt_logprobs, stop strings, max_tokens 1 and 2 (zero or one draft position),
@@ -18,7 +20,7 @@ import re
 
 import pytest
 
-from engine_utils import dspine_spec, make_llm, prompts_of_lengths
+from engine_utils import dspine_spec, prompts_of_lengths
 
 pytestmark = pytest.mark.engine
 
@@ -30,14 +32,15 @@ def pair(tiny_trained_pair):
     return tiny_trained_pair  # conftest.py: written once per session
 
 
-@pytest.fixture(scope="module")
-def plain_llm(pair):
-    return make_llm(pair.target_dir, max_model_len=MAX_MODEL_LEN)
+@pytest.fixture
+def plain_llm(engines, pair):
+    return engines.get(pair.target_dir, max_model_len=MAX_MODEL_LEN)
 
 
-@pytest.fixture(scope="module")
-def spec_llm(pair, plain_llm):
-    return make_llm(pair.target_dir, dspine_spec(pair.draft_dir), max_model_len=MAX_MODEL_LEN)
+@pytest.fixture
+def spec_llm(engines, pair):
+    return engines.get(pair.target_dir, dspine_spec(pair.draft_dir),
+                       max_model_len=MAX_MODEL_LEN)
 
 
 def _tokens(outs) -> list[list[int]]:

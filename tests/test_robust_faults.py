@@ -1,18 +1,18 @@
 """DSpine under faults: preemption forced by a small KV budget, and a drafter whose
-weights produce inf/NaN. Each engine is started by the one test that needs it and shut
-down after it; a plain engine over the same target is the reference for both.
+weights produce inf/NaN. Each DSpine engine is private to the one test that needs it
+(started and shut down by the session's registry, conftest.py); the shared plain engine
+over the same target is the reference for both.
 """
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 
 import pytest
 import torch
 
-from engine_utils import dspine_spec, make_llm, prompts_of_lengths
+from engine_utils import dspine_spec, prompts_of_lengths
 
 pytestmark = pytest.mark.engine
 
@@ -33,7 +33,7 @@ def _tokens(outs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def test_preemption_with_a_small_kv_budget(pair, plain_llm):
+def test_preemption_with_a_small_kv_budget(engines, pair, plain_llm):
     """24 long greedy requests on 12 KV blocks of 128 positions (each request needs 2-3
     blocks by its end, plus the drafter's look-ahead): vLLM must preempt and recompute
     requests, and the DSpine engine's outputs are token-identical to plain decoding's,
@@ -46,14 +46,10 @@ def test_preemption_with_a_small_kv_budget(pair, plain_llm):
     params = [SamplingParams(temperature=0.0, max_tokens=120 + (17 * i) % 90,
                              ignore_eos=True) for i in range(len(prompts))]
     want = _tokens(plain_llm.generate(prompts, params))
-    llm = make_llm(pair.target_dir, dspine_spec(pair.draft_dir), num_gpu_blocks_override=12,
-                   max_num_seqs=16)
-    try:
+    with engines.private(pair.target_dir, dspine_spec(pair.draft_dir),
+                         num_gpu_blocks_override=12, max_num_seqs=16) as llm:
         outs = llm.generate(prompts, params)
         preemptions = _metric(llm, "vllm:num_preemptions")
-    finally:
-        del llm
-        gc.collect()
     assert preemptions > 0, "the KV budget did not force any preemption"
     assert sorted(o.request_id for o in outs) == sorted({o.request_id for o in outs})
     got = _tokens(outs)
@@ -85,9 +81,12 @@ def _allowed_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     return logits >= kth - 1e-4
 
 
-@pytest.mark.parametrize("verify", [{"dspine_verify": "fixed"}, {}],
-                         ids=["fixed", "dynamic-default"])
-def test_drafter_producing_nan_is_answered_by_the_target(pair, plain_llm, tmp_path, verify):
+@pytest.mark.parametrize("verify", [
+    pytest.param({"dspine_verify": "fixed"}, id="fixed", marks=pytest.mark.full),
+    pytest.param({}, id="dynamic-default"),
+])
+def test_drafter_producing_nan_is_answered_by_the_target(engines, pair, plain_llm, tmp_path,
+                                                         verify):
     """A drafter whose weights overflow to inf/NaN, with every draft verified and with
     the default dynamic policy (which reads the NaN tables for its confidence): the
     engine starts, nothing hangs, greedy requests equal plain decoding, and sampled
@@ -103,13 +102,9 @@ def test_drafter_producing_nan_is_answered_by_the_target(pair, plain_llm, tmp_pa
     sampled = [SamplingParams(temperature=1.0, top_k=3, seed=i, max_tokens=40,
                               ignore_eos=True) for i in range(len(prompts))]
     want = _tokens(plain_llm.generate(prompts, greedy))
-    llm = make_llm(pair.target_dir, dspine_spec(draft, **verify))
-    try:
+    with engines.private(pair.target_dir, dspine_spec(draft, **verify)) as llm:
         got = _tokens(llm.generate(prompts, greedy))
         mixed = llm.generate(prompts + prompts, [greedy] * len(prompts) + sampled)
-    finally:
-        del llm
-        gc.collect()
     assert got == want
     assert _tokens(mixed[:len(prompts)]) == want  # greedy neighbours of sampled ones
     target = AutoModelForCausalLM.from_pretrained(pair.target_dir, dtype=torch.float32)
