@@ -10,8 +10,9 @@ OpenAI server around an engine with the DSpine proposer, behind Serve's proxy.
   PluginNotInstalledError, and a worker without the package says so too;
 - shutdown leaves no process of the cluster and no listening port behind.
 
-Loopback only (Serve's proxy and `vllm serve` on 127.0.0.1); every wait is bounded.
-Skipped where `ray[serve]` is not installed.
+Loopback only (Serve's proxy and `vllm serve` on 127.0.0.1); every wait is bounded. The
+tests that start a cluster are in the `full` tier (docs/testing.md). `ray[serve]` is in the
+test extras (pyproject.toml): a broken Ray install fails here, it is not skipped.
 """
 
 from __future__ import annotations
@@ -26,21 +27,18 @@ import uuid
 
 import pytest
 
-pytest.importorskip("ray.serve")
+import ray.serve  # noqa: F401 - in the test extras: a broken install must fail, not skip
 
-from engine_utils import (check_counters_account_for, dspine_spec,  # noqa: E402
-                          engine_env, sse_payloads)
-from vllm_dspine.serving.metrics import metric_page  # noqa: E402
-from vllm_dspine.serving.openai_server import HOST, VllmServer, free_port  # noqa: E402
+from engine_utils import SERVE_ARGS, check_counters_account_for, engine_env, sse_payloads
+from vllm_dspine.serving.metrics import metric_page
+from vllm_dspine.serving.openai_server import HOST, free_port
 
 pytestmark = [pytest.mark.engine]
 
 APP = "dspine"
-MODEL = "tiny"
-# The same `vllm serve` flags for the reference server and for every replica.
-SERVE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
-              "--gpu-memory-utilization", "0.15", "--seed", "0",
-              "--served-model-name", MODEL]
+MODEL = "tiny"  # SERVE_ARGS' --served-model-name
+# The same `vllm serve` flags for the reference server (conftest.py's `tiny_server`) and
+# for every replica: engine_utils.SERVE_ARGS.
 
 # Greedy requests whose answers are compared with `vllm serve`'s (name -> route, body).
 REQUESTS = {
@@ -135,26 +133,11 @@ def pair(tiny_trained_pair):
 
 
 @pytest.fixture(scope="module")
-def vllm_serve(pair, tmp_path_factory):
-    """Plain `vllm serve` on the same pair and flags, started (not yet up): it comes up
-    while the Ray cluster starts, and `reference` stops it once it has answered."""
-    srv = VllmServer(pair.target_dir,
-                     ["--speculative-config", json.dumps(dspine_spec(pair.draft_dir)),
-                      *SERVE_ARGS],
-                     tmp_path_factory.mktemp("serve") / "serve.log")
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture(scope="module")
-def reference(vllm_serve):
-    """`vllm serve`'s answer to each of REQUESTS; the server is stopped afterwards."""
-    vllm_serve.wait_up(400)
-    answers = {name: _post(vllm_serve.base, name)[0] for name in REQUESTS}
-    vllm_serve.stop()
-    return answers
+def reference(tiny_server):
+    """`vllm serve`'s answer to each of REQUESTS (the session's server of the same pair
+    and flags, conftest.py)."""
+    tiny_server.wait_up(400)
+    return {name: _post(tiny_server.base, name)[0] for name in REQUESTS}
 
 
 class Cluster:
@@ -215,9 +198,9 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(pair, vllm_serve):
-    # The reference `vllm serve` starts first and comes up meanwhile (engine starts
-    # are mostly waiting on imports and handshakes; overlapping them saves time).
+def cluster(pair, tiny_server):
+    # The reference `vllm serve` (started, maybe not up) comes up meanwhile (engine
+    # starts are mostly waiting on imports and handshakes; overlapping them saves time).
     c = Cluster(pair)
     try:
         yield c
@@ -226,6 +209,7 @@ def cluster(pair, vllm_serve):
 
 
 # --------------------------------------------------------------------------- tests
+@pytest.mark.full
 def test_both_replicas_answer_like_vllm_serve(cluster, reference):
     """Each kind of request, repeated until both replicas have answered it (Serve
     spreads requests over replicas): every answer equals `vllm serve`'s."""
@@ -272,6 +256,7 @@ def _replica_pages(base: str) -> dict[str, dict]:
     return pages
 
 
+@pytest.mark.full
 def test_metrics_of_each_replica(cluster):
     """/metrics is vLLM's own page of the replica that answers it, and each replica's
     counters account for exactly the requests it answered, recomputed from the
@@ -307,6 +292,7 @@ def test_metrics_of_each_replica(cluster):
         check_counters_account_for(before[replica], after[replica], tokens, where=replica)
 
 
+@pytest.mark.full
 def test_killed_replica_others_keep_answering(cluster, reference):
     """Four clients send long greedy requests (half of them streamed) while one replica
     is killed. Every answer that arrives is whole and equals `vllm serve`'s; requests
@@ -412,6 +398,7 @@ def test_killed_replica_others_keep_answering(cluster, reference):
     _wait_for(new_one, 120, "an answer from the replacement", every=0)
 
 
+@pytest.mark.full
 def test_replica_without_plugin_fails_the_deployment(cluster, pair, monkeypatch):
     """VLLM_PLUGINS without 'dspine' in the replicas' environment: vLLM would not load
     the plugin, so the replica refuses to start and the deployment fails with the
@@ -433,6 +420,7 @@ def test_replica_without_plugin_fails_the_deployment(cluster, pair, monkeypatch)
         serve.delete("noplugin")
 
 
+@pytest.mark.full
 def test_shutdown_leaves_no_process_and_no_port(cluster):
     import psutil
 

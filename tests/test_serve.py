@@ -1,43 +1,29 @@
 """`vllm serve` with `--speculative-config '{"method": "dspine", ...}'` and nothing else:
-an OpenAI completion, a streamed chat completion, vLLM's metrics, an aborted stream
-that frees its slot and KV blocks, and a storm of 50 concurrent streams each cut by
-the client. One server for the module; loopback only; every wait is bounded."""
+an OpenAI completion, streamed chat completions equal to the non-streamed ones, vLLM's
+metrics, an aborted stream that frees its slot and KV blocks, and a storm of 50
+concurrent streams each cut by the client. One server for the session (conftest.py's
+`tiny_server`, also the reference of tests/test_ray_serve.py); loopback only; every wait
+is bounded."""
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
 
 import pytest
 
-from engine_utils import check_counters_account_for, dspine_spec, engine_env, sse_payloads
+from engine_utils import check_counters_account_for, sse_payloads
 from vllm_dspine.serving.metrics import metric_page, prometheus_samples
-from vllm_dspine.serving.openai_server import VllmServer
 
 pytestmark = pytest.mark.engine
 
 
-SERVE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
-              "--gpu-memory-utilization", "0.15", "--served-model-name", "tiny"]
-
-
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_trained_pair):
-    """One `vllm serve` for the module (vllm_dspine.serving.openai_server)."""
-    engine_env()
-    # The distilled drafter: drafts get accepted, so the counter checks see accepted
-    # tokens.
-    pair = tiny_trained_pair
-    srv = VllmServer(pair.target_dir,
-                     ["--speculative-config", json.dumps(dspine_spec(pair.draft_dir)),
-                      *SERVE_ARGS],
-                     tmp_path_factory.mktemp("serve") / "serve.log")
-    try:
-        yield srv.wait_up(400)
-    finally:
-        srv.stop()
+def served(tiny_server):
+    """The session's `vllm serve` of the tiny pair with its distilled drafter (drafts get
+    accepted, so the counter checks see accepted tokens), up."""
+    return tiny_server.wait_up(400)
 
 
 @pytest.fixture(scope="module")
@@ -91,20 +77,31 @@ def test_spec_decode_counters_account_for_the_answers(server):
     print("counters grew by", {k: v for k, v in sorted(d.items()) if v and "spec" in k})
 
 
-def test_streamed_chat_completion(server):
+@pytest.mark.parametrize("sampling", [
+    pytest.param({"temperature": 0}, id="greedy"),
+    pytest.param({"temperature": 0.7, "seed": 3}, id="seeded"),
+])
+def test_streamed_chat_completion_equals_the_answer(server, sampling):
+    """A streamed chat completion arrives in several chunks whose text is the
+    non-streamed answer to the same request, greedy and seeded sampled (a seeded request
+    reproduces)."""
     import httpx
 
+    body = {"model": "tiny", "max_tokens": 32, "ignore_eos": True, **sampling,
+            "messages": [{"role": "user", "content": "say abc"}]}
+    r = httpx.post(server + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    answer = r.json()["choices"][0]["message"]["content"]
     chunks = []
-    with httpx.stream("POST", server + "/v1/chat/completions", timeout=120, json={
-            "model": "tiny", "stream": True, "max_tokens": 32, "temperature": 0.7,
-            "seed": 3, "messages": [{"role": "user", "content": "say abc"}]}) as r:
+    with httpx.stream("POST", server + "/v1/chat/completions", timeout=120,
+                      json={**body, "stream": True}) as r:
         assert r.status_code == 200
         for payload in sse_payloads(r):
             delta = payload["choices"][0]["delta"]
             if delta.get("content"):
                 chunks.append(delta["content"])
     assert len(chunks) > 1
-    assert "".join(chunks)
+    assert answer and "".join(chunks) == answer
 
 
 def test_aborted_stream_frees_everything(server):
