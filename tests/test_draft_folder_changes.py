@@ -13,7 +13,10 @@ files) and compares the tensors it read, and the files, once loading is done
 fingerprint; the engine tests change it at the exact point between validation and
 loading (the validation function is wrapped) or while vLLM reads the weights (the
 model's `load_weights` is wrapped), in an engine core that runs in the test process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the worker's exception reaches the test.
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the worker's exception reaches the test (2-3 s
+each: the start fails before the KV cache is allocated). The same with the engine core
+in its own process, as `vllm serve` runs it (~25 s), is in the `full` tier
+(docs/testing.md).
 """
 
 from __future__ import annotations
@@ -269,6 +272,7 @@ def test_engine_refuses_weights_changed_while_loading(pair, draft, monkeypatch, 
 
 
 @pytest.mark.engine
+@pytest.mark.full
 def test_engine_core_process_reports_the_change(pair, draft, monkeypatch, capfd):
     """The same with vLLM's engine core in its own process (what `vllm serve` runs):
     the fingerprint travels with the draft's hf_config, the worker refuses the edited
