@@ -1,9 +1,10 @@
 """What the hybrid-pair test modules share (tests/test_hybrid_*.py): the autouse fixture
 that keeps transformers off the model hub, and the engine settings and helpers of the
-engine modules. Import the fixture into a module (`from hybrid_fixtures import offline`)
-for it to apply there. The trained hybrid pair is the session fixture
-`hybrid_trained_pair` of conftest.py (distilled once for tests/test_hybrid_engine.py and
-tests/test_hybrid_sampled.py)."""
+engine modules (their engines come from the session's registry, conftest.py). Import the
+fixture into a module (`from hybrid_fixtures import offline`) for it to apply there. The
+trained hybrid pair is the session fixture `hybrid_trained_pair` of conftest.py (the
+committed distilled drafter, tests/trained_drafters.py, for tests/test_hybrid_engine.py
+and tests/test_hybrid_sampled.py)."""
 
 from __future__ import annotations
 
@@ -34,18 +35,10 @@ def qwen3_5_importable() -> bool:
     return True
 
 
-def hybrid_engine(target_dir, spec=None, **kw):
-    """`engine_utils.make_llm` with ENGINE_KW (overridden by `kw`)."""
-    from engine_utils import make_llm
-
-    return make_llm(target_dir, spec, **{**ENGINE_KW, **kw})
-
-
-def close_engine(llm) -> None:
-    import gc
-
-    del llm
-    gc.collect()
+def engine_kw(**kw) -> dict:
+    """ENGINE_KW overridden by `kw`: the arguments of a hybrid engine from the session's
+    registry (`engines.get(target, spec, **engine_kw(...))`, conftest.py)."""
+    return {**ENGINE_KW, **kw}
 
 
 def engine_metric(llm, name: str):
