@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mask-token-id", type=int, default=None)
     ap.add_argument("--init", choices=["target", "random"], default="target")
     ap.add_argument("--init-from", default=None, help="continue from this drafter")
+    ap.add_argument("--init-norm-scale", type=float, default=1.0,
+                    help="--init target: the final norm's weight times this")
     ap.add_argument("--variant", choices=["full", "no-bridge"], default="full")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--seqs-per-step", type=int, default=4)
@@ -233,12 +235,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.init_from:
         init_cfg, init = load_draft_checkpoint(args.init_from)
         init = {k: v.float() for k, v in init.items()}
+        if args.steps == 0 and init_cfg.retrieval_vocab is not None:
+            # evaluation only: the drafter as it is served, with its own vocabulary
+            vocab = torch.tensor(init_cfg.retrieval_vocab, dtype=torch.long)
         prev = os.path.join(args.init_from, "training.json")
         if os.path.exists(prev):
             with open(prev) as f:
                 record_prev = json.load(f)
     elif args.init == "target":
         init = init_from_target(cfg, target, args.seed)
+        # The target's final norm on the copied layers' output gives confident logits
+        # (first loss above a uniform guess): a smaller norm weight starts the drafter
+        # unsure; training grows it where it pays (docs/smollm2-drafter.md, the figures).
+        init["norm.weight"] = init["norm.weight"] * args.init_norm_scale
     else:
         from vllm_dspine.model.checkpoint import random_draft_tensors
 
@@ -285,7 +294,9 @@ def main(argv: list[str] | None = None) -> int:
             args.held_out_seqs)
         stage["held_out"]["vocab_coverage"] = covered_share(
             [s[a:] for s, a in zip(ho.sequences, ho.answer_start)], vocab, tcfg.vocab_size)
-    shutil.copyfile(os.path.join(train_dir, "loss.png"), os.path.join(out, "loss.png"))
+        _log(f"held out: {json.dumps(stage['held_out'])}")
+    if os.path.exists(os.path.join(train_dir, "loss.png")):  # none after --steps 0
+        shutil.copyfile(os.path.join(train_dir, "loss.png"), os.path.join(out, "loss.png"))
     record = {"variant": args.variant, "stages": record_prev.get("stages", []) + [stage],
               "wall_seconds_this_run": round(time.time() - t_start, 1)}
     with open(os.path.join(out, "training.json"), "w") as f:
