@@ -27,13 +27,29 @@ def pair(smollm2_pair):
     return smollm2_pair  # conftest.py: `python -m vllm_dspine.pairs smollm2`, once
 
 
-def test_committed_drafter_is_small_bf16_with_its_record():
-    files = os.listdir(COMMITTED_DRAFTER)
-    size = sum(os.path.getsize(os.path.join(COMMITTED_DRAFTER, f)) for f in files
-               if f.endswith(".safetensors"))
-    assert size <= 64 * 2**20, f"committed drafter is {size / 2**20:.1f} MiB (> 64 MiB)"
-    cfg, tensors = load_draft_checkpoint(COMMITTED_DRAFTER)
+def test_committed_drafter_is_small_bf16_with_its_record(tmp_path):
+    """The drafter is committed packed (pairs/packed.py: the codebook rows training
+    touched); unpacked it is a bf16 checkpoint whose kept rows are the packed ones and
+    whose other codebook rows are zero."""
+    from safetensors.torch import load_file
+
+    from vllm_dspine.pairs.packed import PACKED, unpack_drafter
+
+    size = os.path.getsize(os.path.join(COMMITTED_DRAFTER, PACKED))
+    assert size <= 32 * 2**20, f"committed drafter is {size / 2**20:.1f} MiB (> 32 MiB)"
+    assert not [f for f in os.listdir(COMMITTED_DRAFTER) if f.endswith(".safetensors")]
+    cfg, tensors = load_draft_checkpoint(unpack_drafter(COMMITTED_DRAFTER,
+                                                        str(tmp_path / "draft")))
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    packed = load_file(os.path.join(COMMITTED_DRAFTER, PACKED))
+    ids = packed["bridge.codebook_row_ids"].long()
+    assert torch.equal(tensors["bridge.codebook"][ids], packed["bridge.codebook_rows"])
+    others = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    others[ids] = False
+    assert not tensors["bridge.codebook"][others].any()
+    for name, t in packed.items():
+        if not name.startswith("bridge.codebook_row"):
+            assert torch.equal(tensors[name], t), name
     with open(os.path.join(COMMITTED_DRAFTER, "training.json")) as f:
         record = json.load(f)
     for key in ("command", "steps", "tokens", "loss_last50", "held_out"):

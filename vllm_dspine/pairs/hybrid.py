@@ -68,9 +68,9 @@ class HybridPair:
     eos_token_id: int = EOS_TOKEN_ID
 
 
-def target_config() -> dict:
+def target_config(layer_types: tuple[str, ...] = LAYER_TYPES) -> dict:
     """The target's config.json (a `Qwen3_5TextConfig`)."""
-    s = TARGET_SIZES
+    s = {**TARGET_SIZES, "num_hidden_layers": len(layer_types)}
     return {
         "architectures": ["Qwen3_5ForCausalLM"],
         "model_type": "qwen3_5_text",
@@ -80,7 +80,7 @@ def target_config() -> dict:
                              "linear_num_value_heads", "linear_key_head_dim",
                              "linear_value_head_dim", "linear_conv_kernel_dim",
                              "max_position_embeddings", "rms_norm_eps")},
-        "layer_types": list(LAYER_TYPES),
+        "layer_types": list(layer_types),
         "full_attention_interval": 4,
         "hidden_act": "silu",
         "attn_output_gate": True,
@@ -101,7 +101,8 @@ def target_config() -> dict:
     }
 
 
-def _target_tensors(seed: int, habit: float) -> dict[str, torch.Tensor]:
+def _target_tensors(seed: int, habit: float,
+                    layer_types: tuple[str, ...] = LAYER_TYPES) -> dict[str, torch.Tensor]:
     """HF tensor names of `Qwen3_5ForCausalLM`, drawn in fp32 in a fixed order, saved bf16.
 
     Qwen3.5's RMSNorms scale by (1 + weight): their weights are 0. GDN: A = exp(A_log) in
@@ -120,7 +121,7 @@ def _target_tensors(seed: int, habit: float) -> dict[str, torch.Tensor]:
 
     embed = randn(V, Hd, std=1.0)  # [V, Hd], unit RMS
     out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": embed}
-    for l, kind in enumerate(LAYER_TYPES):
+    for l, kind in enumerate(layer_types):
         p = f"model.layers.{l}."
         out[p + "input_layernorm.weight"] = torch.zeros(Hd)
         out[p + "post_attention_layernorm.weight"] = torch.zeros(Hd)
@@ -155,20 +156,35 @@ def _target_tensors(seed: int, habit: float) -> dict[str, torch.Tensor]:
     return {k: v.to(torch.bfloat16).contiguous() for k, v in out.items()}
 
 
-def draft_config() -> DSpineConfig:
-    """The drafter's config: the target's width and vocabulary, two layers, bf16."""
+def draft_config(sliding_window: int | None = None) -> DSpineConfig:
+    """The drafter's config: the target's width and vocabulary, two layers, bf16; every
+    layer attends `sliding_window` positions back at most (None: the whole context)."""
     return small_draft_config(TARGET_SIZES, target_layer_ids=DRAFT_TARGET_LAYER_IDS,
                               head_dim=64, code_dim=64, message_dim=32,
-                              torch_dtype="bfloat16", where="hybrid draft config")
+                              torch_dtype="bfloat16", sliding_window=sliding_window,
+                              where="hybrid draft config")
 
 
-def write_hybrid_pair(out_dir: str, seed: int = 0, *, habit: float = HABIT) -> HybridPair:
+def write_hybrid_pair(out_dir: str, seed: int = 0, *, habit: float = HABIT,
+                      layer_types: tuple[str, ...] = LAYER_TYPES,
+                      draft_sliding_window: int | None = None) -> HybridPair:
     """Write `out_dir/target` and `out_dir/draft`; the same seed gives the same bytes.
 
-    habit: strength of the planted successor habit in the target's head (0: none)."""
-    cfg = draft_config()
+    habit: strength of the planted successor habit in the target's head (0: none).
+    layer_types: the target's layers, "linear_attention" (GDN) or "full_attention", in
+    order (at least 3 + 1: the drafter reads layers 0, 1, 2 and never the last).
+    draft_sliding_window: the drafter's `sliding_window` (the released drafter's is
+    8,192; None: full attention)."""
+    if len(layer_types) <= max(DRAFT_TARGET_LAYER_IDS) + 1 or \
+            not set(layer_types) <= {"linear_attention", "full_attention"}:
+        raise ValueError(f"write_hybrid_pair: layer_types must be at least "
+                         f"{max(DRAFT_TARGET_LAYER_IDS) + 2} of 'linear_attention' / "
+                         f"'full_attention', got {layer_types!r}")
+    cfg = draft_config(draft_sliding_window)
+    sizes = {**TARGET_SIZES, "num_hidden_layers": len(layer_types)}
     target_dir, draft_dir = write_pair_folders(
-        out_dir, target_config(), _target_tensors(seed, habit), TARGET_SIZES, cfg,
+        out_dir, target_config(tuple(layer_types)),
+        _target_tensors(seed, habit, tuple(layer_types)), sizes, cfg,
         random_draft_tensors(cfg, seed + 1_000_003, dtype=torch.bfloat16),
         where="hybrid target")
     return HybridPair(target_dir=target_dir, draft_dir=draft_dir)

