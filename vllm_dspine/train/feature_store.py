@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from vllm_dspine.train.corpus import Corpus, read_manifest
-from vllm_dspine.train.target_data import _capture_layer_outputs
+from vllm_dspine.train.target_data import _capture_layer_outputs, padded_batches
 
 STORE_FORMAT = 1
 
@@ -74,17 +74,7 @@ def write_shard_features(model, corpus: Corpus, shard: str, store: str,
                                     dtype=np.float16, shape=(N, topk))
     offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(s) for s in seqs])
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    i = 0
-    while i < len(order):
-        j = i + 1
-        while j < len(order) and (j - i + 1) * len(seqs[order[j]]) <= batch_tokens:
-            j += 1
-        group = order[i:j]
-        T = max(len(seqs[g]) for g in group)
-        ids = torch.zeros(len(group), T, dtype=torch.long)
-        for r, g in enumerate(group):
-            ids[r, :len(seqs[g])] = torch.from_numpy(seqs[g])
+    for group, ids in padded_batches(seqs, batch_tokens):
         f, ti, tl = features_and_topk(model, ids, layer_ids, topk)
         for r, g in enumerate(group):
             a, b = offsets[g], offsets[g + 1]
@@ -92,7 +82,6 @@ def write_shard_features(model, corpus: Corpus, shard: str, store: str,
             feats[a:b] = _bf16_bits(f[r, :n])
             tids[a:b] = ti[r, :n].numpy()
             tlp[a:b] = tl[r, :n].numpy().astype(np.float16)
-        i = j
     for arr, name in ((feats, "feats"), (tids, "topk_ids"), (tlp, "topk_logp")):
         arr.flush()
         del arr

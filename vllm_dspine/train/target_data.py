@@ -173,16 +173,12 @@ def generate_answers(llm, tokenizer, prompts: list[str], max_tokens: int,
     return [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
 
 
-@torch.no_grad()
-def features_of_sequences(model, seqs: list[list[int]], layer_ids: tuple[int, ...],
-                          batch_tokens: int = 4096, progress=None) -> list[torch.Tensor]:
-    """Target features of every position of every sequence.  -> per sequence [T, F*H]
-
-    Sequences of similar length are batched (right-padded; causal attention keeps the
-    padding out of real positions), at most `batch_tokens` padded tokens per forward.
-    """
+def padded_batches(seqs, batch_tokens: int):
+    """Sequences of similar length batched for one forward each: right-padded (causal
+    attention keeps the padding out of real positions), at most `batch_tokens` padded
+    tokens per batch (a longer sequence alone).
+    -> yields (indices of the batch's sequences, ids [n, T])"""
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    out: list[torch.Tensor | None] = [None] * len(seqs)
     i = 0
     while i < len(order):
         T = len(seqs[order[i]])
@@ -193,11 +189,21 @@ def features_of_sequences(model, seqs: list[list[int]], layer_ids: tuple[int, ..
         T = max(len(seqs[g]) for g in group)
         ids = torch.zeros(len(group), T, dtype=torch.long)
         for r, g in enumerate(group):
-            ids[r, :len(seqs[g])] = torch.tensor(seqs[g])
+            ids[r, :len(seqs[g])] = torch.as_tensor(seqs[g])
+        yield group, ids
+        i = j
+
+
+@torch.no_grad()
+def features_of_sequences(model, seqs: list[list[int]], layer_ids: tuple[int, ...],
+                          batch_tokens: int = 4096, progress=None) -> list[torch.Tensor]:
+    """Target features of every position of every sequence.  -> per sequence [T, F*H]
+    (batched by `padded_batches`)."""
+    out: list[torch.Tensor | None] = [None] * len(seqs)
+    for group, ids in padded_batches(seqs, batch_tokens):
         feats = target_features(model, ids, layer_ids)  # [n, T, F*H]
         for r, g in enumerate(group):
             out[g] = feats[r, :len(seqs[g])].clone()
         if progress is not None:
             progress(sum(len(seqs[g]) for g in group))
-        i = j
     return out  # type: ignore[return-value]
