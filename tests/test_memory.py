@@ -97,3 +97,96 @@ def test_format_and_cli(released, capsys):
     assert "**total**" in out
     main(["--config", "released", "--tail-table-dtype-bytes", "2"])
     assert "| greedy tail tables | 727.5 |" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ KV cache groups
+def test_kv_groups_at_released_dims_against_a_hand_computation(released):
+    """vLLM 0.32.0's KV cache groups for the assumed Qwen3.8-27B target (48 GDN + 16
+    full-attention layers, 4 KV heads x 256) and the released drafter (5 layers, 8 KV
+    heads x 128, window 8,192), max_model_len 131,072 on CPU, without and with the row
+    dspine-kv-cache-groups (docs/hybrid.md, 'KV cache groups'), by hand:
+
+    block: 128 x cdiv(GDN page 3 x 10,240 x 2 + 48 x 128 x 128 x 4 = 3,207,168 B,
+    128 x 4,096 B) = 128 x 7 = 896 tokens; every page 896 x 4,096 = 3,670,016 B (the
+    drafter's 8 x 128 K/V per token is the target's 4 x 256: 4,096 B).
+    vLLM: buckets 48 / 16 / 5 -> groups of 5 (the smallest): 10 GDN groups (8 x 5 + 2 x 4),
+    4 attention groups of 4, the draft's 5: a block is 5 pages, so the target's attention
+    holds 4 x 5 x 4,096 = 81,920 B per token for 16 x 4,096 = 65,536 used (1.25 x; 20 %
+    of it never used). Per request: 10 GDN blocks + 4 x cdiv(131,072, 896) = 4 x 147
+    attention blocks + cdiv(8,191 + 2,048 in flight, 896) + 1 = 13 window blocks = 611
+    blocks x 5 pages.
+    DSpine: groups of 8: 6 GDN, 2 attention, the draft's 5 (3 slots unused): 6 + 294 + 13
+    = 313 blocks x 8 pages; the target's attention 2 x 8 x 4,096 = 65,536 B per token."""
+    from vllm_dspine.model.kv_cache_groups import grouping_structure
+    from vllm_dspine.model.memory import (
+        QWEN38_27B_TARGET,
+        KVPlanSettings,
+        attention_bytes_per_token,
+        hybrid_block_size,
+        kv_groups_report,
+    )
+
+    page = 896 * 4096
+    assert hybrid_block_size(QWEN38_27B_TARGET) == 896
+    r = kv_groups_report(QWEN38_27B_TARGET, released, KVPlanSettings(max_model_len=131072))
+    assert r.block_size == 896 and r.page_bytes == page == 3_670_016
+    assert grouping_structure(r.vllm) == (
+        "15 groups of 5 slots: target state x 10 (5+5+5+5+5+5+5+5+4+4 layers), target full "
+        "attention x 4 (4+4+4+4 layers), draft sliding window x 1 (5 layers); padding 2 "
+        "target state, 4 target full attention; draft layers in 1 group(s)")
+    assert attention_bytes_per_token(r.vllm, 896) == (81_920, 65_536)
+    assert r.vllm.bytes_per_block == 5 * page
+    assert r.vllm.bytes_per_request == (10 + 4 * 147 + 13) * 5 * page  # 10,692.5 MiB
+    assert grouping_structure(r.dspine) == (
+        "9 groups of 8 slots: target state x 6 (8+8+8+8+8+8 layers), target full attention "
+        "x 2 (8+8 layers), draft sliding window x 1 (5 layers); padding 3 draft sliding "
+        "window; draft layers in 1 group(s)")
+    assert not r.dspine.draft_promoted
+    assert attention_bytes_per_token(r.dspine, 896) == (65_536, 65_536)
+    assert r.dspine.bytes_per_request == (6 + 2 * 147 + 13) * 8 * page  # 8,764.0 MiB
+    # max_model_len within the window: the draft allocated as full attention (a window
+    # allocation keeps the in-flight tokens and one block more)
+    short = kv_groups_report(QWEN38_27B_TARGET, released, KVPlanSettings(max_model_len=8192))
+    assert short.dspine.draft_promoted
+    assert short.dspine.bytes_per_request == (6 + 2 * 10 + 10) * 8 * page  # cdiv(8192, 896)
+
+
+def test_kv_cache_specs_of_the_hybrid_pair_are_the_engines():
+    """The specs the planner builds for the hybrid pair are those vLLM's engine built
+    (the specs its engine core grouped, read on 2026-12-03, prefix caching on): block
+    384 tokens (3 x 128), the GDN state page 3 x 512 x 2 + 2 x 128 x 128 x 4 = 134,144 B
+    padded to the attention page 384 x 512 = 196,608 B (46.56 %, the figure in the
+    engine's log, docs/hybrid.md), the drafter's layers numbered after the target's."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    from vllm_dspine.model.memory import KVPlanSettings, kv_cache_specs, target_kv_dims
+    from vllm_dspine.pairs.hybrid import draft_config, target_config
+
+    target = target_kv_dims(target_config())
+    specs = kv_cache_specs(target, draft_config(8192),
+                           KVPlanSettings(max_model_len=1536, mamba_cache_mode="align"))
+    assert list(specs) == ["model.layers.0.linear_attn", "model.layers.1.linear_attn",
+                           "model.layers.2.linear_attn", "model.layers.3.self_attn.attn",
+                           "model.layers.4.self_attn.attn", "model.layers.5.self_attn.attn"]
+    state = specs["model.layers.0.linear_attn"]
+    assert isinstance(state, MambaSpec) and state.block_size == 384
+    assert state.page_size_padded == 196_608 and state.real_page_size_bytes == 134_144
+    assert round(100 * (196_608 - 134_144) / 134_144, 2) == 46.56
+    assert state.num_speculative_blocks == 0 and state.mamba_cache_mode == "align"
+    attn = specs["model.layers.3.self_attn.attn"]
+    assert type(attn) is FullAttentionSpec and attn.page_size_bytes == 196_608
+    draft = specs["model.layers.5.self_attn.attn"]
+    assert isinstance(draft, SlidingWindowSpec) and draft.sliding_window == 8192
+    assert draft.page_size_bytes == 196_608
+
+
+def test_kv_groups_cli(capsys):
+    main(["--config", "released", "--max-context", "131072", "--kv-groups"])
+    out = capsys.readouterr().out
+    assert "block 896 tokens, page 3,670,016 B" in out
+    assert "| vLLM 0.32.0 | 10 x target state (5/4); 4 x target full attention (4); 1 x " \
+           "draft sliding window (5) | 5 | 2 target state, 4 target full attention | 1 group " \
+           "| 81,920 / 65,536 | 10,692.5 |" in out
+    assert "| DSpine (dspine-kv-cache-groups) | 6 x target state (8); 2 x target full " \
+           "attention (8); 1 x draft sliding window (5) | 8 | 3 draft sliding window | " \
+           "1 group | 65,536 / 65,536 | 8,764.0 |" in out

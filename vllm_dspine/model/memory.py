@@ -9,11 +9,17 @@ fp32, 1,455 MiB at the released sizes, twice the article's 727.5 MiB of BF16 tab
 (`--tail-table-dtype-bytes 2` shows that figure).
 
     python -m vllm_dspine.model.memory --config DRAFT_DIR|released --max-context 131072 --concurrency 8
+
+`--kv-groups` also prints vLLM's KV cache groups of a hybrid target (the assumed Qwen3.8-27B
+by default, `--target DIR`) and the drafter, without and with the plugin's row
+`dspine-kv-cache-groups`: padding, attention KV bytes per token, bytes per request
+(docs/memory.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 from dataclasses import dataclass, field
 
@@ -22,6 +28,7 @@ import torch
 from vllm_dspine.config import RELEASED_QWEN38_27B, DSpineConfig
 from vllm_dspine.kernels.tail import TailTables
 from vllm_dspine.model.checkpoint import expected_tensor_shapes
+from vllm_dspine.model.kv_cache_groups import KVCacheGrouping, plan_kv_cache_groups
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -286,6 +293,255 @@ def format_gdn_state_memory(m: GDNStateMemory) -> str:
 # ------------------------------------------------------------------ end hybrid GDN state
 
 
+# ------------------------------------------------------------------------------------
+# KV cache groups (docs/hybrid.md, "KV cache groups"): how vLLM splits a hybrid target's
+# and the drafter's KV layers into groups, without and with the plugin's row
+# `dspine-kv-cache-groups`, from KV specs built as vLLM 0.32.0 builds them. vLLM's own
+# functions group the layers and count the bytes; only the specs and the attention block
+# size are restated here.
+@dataclass(frozen=True)
+class TargetKVDims:
+    """What sizes a hybrid target's KV cache (Qwen3.5 / Qwen3-Next text config names)."""
+    layer_types: tuple[str, ...]  # per layer: "linear_attention" (GDN) or "full_attention"
+    num_key_value_heads: int  # full attention
+    head_dim: int
+    gdn: GDNTargetDims | None  # None: no GDN layer
+    kv_dtype_bytes: int = 2  # bf16 K/V
+
+    def __post_init__(self):
+        if set(self.layer_types) - {"linear_attention", "full_attention"}:
+            raise ValueError(f"TargetKVDims: unknown layer types in {set(self.layer_types)}")
+        n_gdn = self.layer_types.count("linear_attention")
+        if (self.gdn.num_gdn_layers if self.gdn else 0) != n_gdn:
+            raise ValueError(f"TargetKVDims: {n_gdn} linear_attention layers, GDN dims for "
+                             f"{self.gdn.num_gdn_layers if self.gdn else 0}")
+
+
+# Assumed Qwen3.8-27B dims (docs/hybrid.md): the public Qwen3.5-27B text config, 64 layers
+# of (3 GDN, 1 full attention) x 16; full attention with 4 KV heads of 256.
+QWEN38_27B_TARGET = TargetKVDims(
+    layer_types=("linear_attention", "linear_attention", "linear_attention",
+                 "full_attention") * 16,
+    num_key_value_heads=4, head_dim=256, gdn=QWEN38_27B_GDN)
+
+# vLLM 0.32.0 on CPU aligns a hybrid model's attention block size to 128 tokens (its CPU
+# attention backend's kernel block; the hybrid pair gets 3 x 128 = 384).
+CPU_BLOCK_ALIGNMENT = 128
+
+
+def target_kv_dims(config: dict) -> TargetKVDims:
+    """TargetKVDims from a Qwen3.5 / Qwen3-Next config.json (its `text_config` if any)."""
+    c = config.get("text_config", config)
+    n = c["num_hidden_layers"]
+    types = c.get("layer_types") or [
+        "full_attention" if (i + 1) % c["full_attention_interval"] == 0
+        else "linear_attention" for i in range(n)]
+    n_gdn = list(types).count("linear_attention")
+    gdn = None if n_gdn == 0 else GDNTargetDims(
+        num_gdn_layers=n_gdn, linear_num_key_heads=c["linear_num_key_heads"],
+        linear_num_value_heads=c["linear_num_value_heads"],
+        linear_key_head_dim=c["linear_key_head_dim"],
+        linear_value_head_dim=c["linear_value_head_dim"],
+        linear_conv_kernel_dim=c["linear_conv_kernel_dim"],
+        state_dtype_bytes=_DTYPE_BYTES[c.get("mamba_ssm_dtype") or "float32"])
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return TargetKVDims(layer_types=tuple(types), num_key_value_heads=c["num_key_value_heads"],
+                        head_dim=head_dim, gdn=gdn)
+
+
+@dataclass(frozen=True)
+class KVPlanSettings:
+    """The engine settings vLLM's KV grouping and memory count read."""
+    max_model_len: int
+    max_num_batched_tokens: int = 2048  # x 2 in flight with asynchronous scheduling
+    max_concurrent_batches: int = 1
+    mamba_cache_mode: str = "none"  # "align" with prefix caching
+    block_alignment: int = CPU_BLOCK_ALIGNMENT
+
+
+def _torch_dtype(nbytes: int) -> torch.dtype:
+    return {2: torch.bfloat16, 4: torch.float32}[nbytes]
+
+
+def planning_config(settings: KVPlanSettings):
+    """A stand-in for vLLM's VllmConfig with what `get_kv_cache_groups` and
+    `_max_memory_usage_bytes_from_groups` read (no engine; the KV cache layout is the
+    CPU's, layer-outermost: pages of one size per layer)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    return SimpleNamespace(
+        model_config=SimpleNamespace(max_model_len=settings.max_model_len),
+        cache_config=SimpleNamespace(mamba_cache_mode=settings.mamba_cache_mode,
+                                     get_resolved_kv_cache_layout=lambda: KVCacheLayout.LBHNC),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False,
+                                         max_num_batched_tokens=settings.max_num_batched_tokens),
+        attention_config=None, speculative_config=None,
+        max_in_flight_tokens=settings.max_concurrent_batches * settings.max_num_batched_tokens)
+
+
+def hybrid_block_size(target: TargetKVDims, block_alignment: int = CPU_BLOCK_ALIGNMENT) -> int:
+    """The attention block size vLLM picks for a hybrid target: the smallest multiple of
+    the alignment whose attention page holds a GDN state page (vLLM's
+    `Platform._align_hybrid_block_size`, restated; the GDN state of the replay commit,
+    one slot). Without GDN layers, the alignment."""
+    attn_per_token, state_page = _attention_page_per_token(target), _gdn_state_page(target)
+    if state_page is None:
+        return block_alignment
+    return block_alignment * -(-state_page // (block_alignment * attn_per_token))
+
+
+def _attention_page_per_token(target: TargetKVDims) -> int:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec(block_size=1, num_kv_heads=target.num_key_value_heads,
+                             head_size=target.head_dim,
+                             dtype=_torch_dtype(target.kv_dtype_bytes)).page_size_bytes
+
+
+def _gdn_shapes(target: TargetKVDims):
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+
+    g = target.gdn
+    return MambaStateShapeCalculator.gated_delta_net_state_shape(
+        1, g.linear_num_key_heads, g.linear_num_value_heads, g.linear_key_head_dim,
+        g.linear_value_head_dim, g.linear_conv_kernel_dim, 0)  # replay commit: num_spec 0
+
+
+def _gdn_state_page(target: TargetKVDims) -> int | None:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    if target.gdn is None:
+        return None
+    return MambaSpec(shapes=_gdn_shapes(target), block_size=-1,
+                     dtypes=(_torch_dtype(target.gdn.conv_dtype_bytes),
+                             _torch_dtype(target.gdn.state_dtype_bytes))).page_size_bytes
+
+
+def kv_cache_specs(target: TargetKVDims, draft: DSpineConfig,
+                   settings: KVPlanSettings) -> dict:
+    """Layer name -> vLLM KVCacheSpec, as vLLM 0.32.0 builds them for this target and a
+    DSpine drafter (names as vLLM's: the draft's layers numbered after the target's):
+    GDN layers a `MambaSpec` of one state slot (the replay commit) padded to the
+    attention page, full-attention layers a `FullAttentionSpec`, draft layers a
+    `SlidingWindowSpec` when the drafter has a window (vLLM's draft attention layers
+    take the target's block size when their backend runs it: CPU) or a
+    `FullAttentionSpec`."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    block = hybrid_block_size(target, settings.block_alignment)
+    attn_page = block * _attention_page_per_token(target)
+    dtype = _torch_dtype(target.kv_dtype_bytes)
+    specs: dict = {}
+    for i, kind in enumerate(target.layer_types):
+        if kind == "linear_attention":
+            state = MambaSpec(
+                shapes=_gdn_shapes(target), block_size=block if settings.mamba_cache_mode
+                == "align" else settings.max_model_len,
+                dtypes=(_torch_dtype(target.gdn.conv_dtype_bytes),
+                        _torch_dtype(target.gdn.state_dtype_bytes)),
+                mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+                mamba_cache_mode=settings.mamba_cache_mode, num_speculative_blocks=0)
+            specs[f"model.layers.{i}.linear_attn"] = state if state.page_size_bytes == \
+                attn_page else dataclasses.replace(state, page_size_padded=attn_page)
+        else:
+            specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(
+                block_size=block, num_kv_heads=target.num_key_value_heads,
+                head_size=target.head_dim, dtype=dtype)
+    for j in range(draft.num_hidden_layers):
+        kv = dict(block_size=block, num_kv_heads=draft.num_key_value_heads,
+                  head_size=draft.head_dim, dtype=dtype)
+        specs[f"model.layers.{len(target.layer_types) + j}.self_attn.attn"] = \
+            FullAttentionSpec(**kv) if draft.sliding_window is None else \
+            SlidingWindowSpec(**kv, sliding_window=draft.sliding_window)
+    return specs
+
+
+@dataclass(frozen=True)
+class KVGroupsReport:
+    settings: KVPlanSettings
+    block_size: int  # tokens per attention block
+    page_bytes: int  # one layer's page (every page after vLLM unifies them)
+    vllm: KVCacheGrouping  # vLLM 0.32.0's own grouping (its function's output)
+    dspine: KVCacheGrouping  # with the row dspine-kv-cache-groups
+
+
+def kv_groups_report(target: TargetKVDims, draft: DSpineConfig,
+                     settings: KVPlanSettings) -> KVGroupsReport:
+    """vLLM's grouping (its `get_kv_cache_groups`, unpatched) and DSpine's
+    (`model/kv_cache_groups.py:plan_kv_cache_groups`) of these specs."""
+    from vllm.v1.core import kv_cache_utils
+
+    config = planning_config(settings)
+    specs = kv_cache_utils.unify_kv_cache_spec_page_size(kv_cache_specs(target, draft,
+                                                                         settings))
+    draft_layers = frozenset(list(specs)[len(target.layer_types):])
+    # The function as vLLM ships it, whether or not this process applied the patches.
+    vllm_groups = inspect.unwrap(kv_cache_utils.get_kv_cache_groups)(config, dict(specs))
+    vllm = KVCacheGrouping(
+        specs=specs, groups=tuple(tuple(g.layer_names) for g in vllm_groups),
+        draft_layers=draft_layers, draft_promoted=False,
+        bytes_per_request=kv_cache_utils._max_memory_usage_bytes_from_groups(config,
+                                                                             vllm_groups),
+        bytes_per_block=kv_cache_utils._pool_bytes_per_block(config, vllm_groups))
+    return KVGroupsReport(settings=settings, block_size=hybrid_block_size(
+        target, settings.block_alignment), page_bytes=next(iter(specs.values())).page_size_bytes,
+        vllm=vllm, dspine=plan_kv_cache_groups(config, specs, draft_layers))
+
+
+def attention_bytes_per_token(g: KVCacheGrouping, block_size: int) -> tuple[int, int]:
+    """(allocated, used) KV bytes per context token of the target's full-attention layers:
+    each group holding them takes a block of `bytes_per_block` per `block_size` tokens;
+    its layers use their own pages of it."""
+    allocated = used = 0
+    for group in g.groups:
+        if g.group_label(group) != "target full attention":
+            continue
+        allocated += g.bytes_per_block // block_size
+        used += sum(g.specs[n].page_size_bytes for n in group) // block_size
+    return allocated, used
+
+
+def format_kv_groups(report: KVGroupsReport, target: TargetKVDims,
+                     draft: DSpineConfig) -> str:
+    """A markdown table: vLLM's grouping and DSpine's, groups, padding, bytes."""
+    s = report.settings
+    n_gdn = target.layer_types.count("linear_attention")
+    window = draft.sliding_window
+    lines = [
+        f"KV cache groups, target {len(target.layer_types)} layers ({n_gdn} GDN, "
+        f"{len(target.layer_types) - n_gdn} full attention, {target.num_key_value_heads} "
+        f"KV heads x {target.head_dim}), drafter {draft.num_hidden_layers} layers "
+        f"({'sliding window ' + format(window, ',') if window else 'full attention'}, "
+        f"{draft.num_key_value_heads} KV heads x {draft.head_dim}); max_model_len "
+        f"{s.max_model_len:,}, block {report.block_size} tokens, page "
+        f"{report.page_bytes:,} B, mamba cache mode '{s.mamba_cache_mode}'",
+        "",
+        "| grouping | groups (layers each) | slots per group | padding (slots) | draft in | "
+        "target attention KV B/token (allocated / used) | KV MiB per request at max_model_len |",
+        "| --- | --- | ---: | --- | ---: | ---: | ---: |",
+    ]
+    for name, g in (("vLLM 0.32.0", report.vllm), ("DSpine (dspine-kv-cache-groups)",
+                                                    report.dspine)):
+        kinds: dict[str, list[int]] = {}
+        for group in g.groups:
+            kinds.setdefault(g.group_label(group), []).append(len(group))
+        groups = "; ".join(f"{len(v)} x {k} ({'/'.join(map(str, sorted(set(v), reverse=True)))})"
+                           for k, v in kinds.items())
+        pad = ", ".join(f"{v} {k}" for k, v in g.padding().items()) or "none"
+        alloc, used = attention_bytes_per_token(g, report.block_size)
+        draft_in = f"{g.draft_groups} group" + ("s (does not start)" if g.draft_groups > 1
+                                                else "")
+        promoted = " (draft allocated as full attention)" if g.draft_promoted else ""
+        lines.append(f"| {name}{promoted} | {groups} | {g.group_size} | {pad} | {draft_in} | "
+                     f"{alloc:,} / {used:,} | {g.bytes_per_request / MiB:,.1f} |")
+    return "\n".join(lines)
+# ------------------------------------------------------------------ end KV cache groups
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Resident bytes of a DSpine drafter.")
     ap.add_argument("--config", default="released",
@@ -303,6 +559,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gdn-state", action="store_true",
                     help="also print a hybrid target's GDN state per request, 1 + K slots "
                          "vs 1 (assumed Qwen3.8-27B dims, docs/hybrid.md)")
+    ap.add_argument("--kv-groups", action="store_true",
+                    help="also print vLLM's KV cache groups for the target and drafter, "
+                         "without and with the row dspine-kv-cache-groups (docs/hybrid.md); "
+                         "max_model_len = --max-context")
+    ap.add_argument("--target", default="qwen3.8-27b",
+                    help="with --kv-groups: a Qwen3.5 / Qwen3-Next target folder with "
+                         "config.json, or 'qwen3.8-27b' (assumed dims, docs/hybrid.md)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                    help="with --kv-groups: tokens in flight (sliding-window blocks kept)")
+    ap.add_argument("--mamba-cache-mode", choices=("none", "align"), default="none",
+                    help="with --kv-groups: 'align' with prefix caching")
     args = ap.parse_args(argv)
     if args.config == "released":
         cfg = DSpineConfig.from_dict(RELEASED_QWEN38_27B, where="RELEASED_QWEN38_27B")
@@ -319,6 +586,19 @@ def main(argv: list[str] | None = None) -> None:
     if args.gdn_state:
         gdn = gdn_state_memory(QWEN38_27B_GDN, num_spec=cfg.num_proposals)
         print("\n" + format_gdn_state_memory(gdn))
+    if args.kv_groups:
+        if args.target == "qwen3.8-27b":
+            target = QWEN38_27B_TARGET
+        else:
+            import json
+            import os
+
+            with open(os.path.join(args.target, "config.json")) as f:
+                target = target_kv_dims(json.load(f))
+        settings = KVPlanSettings(max_model_len=args.max_context,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  mamba_cache_mode=args.mamba_cache_mode)
+        print("\n" + format_kv_groups(kv_groups_report(target, cfg, settings), target, cfg))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@
   (never on import): the pinned-version check, then each row whose condition holds,
   its symbols checked in the running vLLM before its function changes anything.
 - One module per vLLM area holds the apply functions: `engine_args.py` (front end),
-  `model_runner.py`, `cpu_kernels.py` (CPU platform and ops; the maths in
+  `model_runner.py`, `kv_cache.py` (KV cache groups; the choice in
+  `vllm_dspine/model/kv_cache_groups.py`), `cpu_kernels.py` (CPU platform and ops; the maths in
   `vllm_dspine/kernels/cpu_replacements.py`), `metrics.py`, `import_hooks.py`,
   `gdn_commit.py` (hybrid Gated DeltaNet targets), `profiling.py` (bench/e2e.py).
 - `guard.py`: the pinned version and the one mark of an applied patch

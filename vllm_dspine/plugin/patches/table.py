@@ -19,6 +19,7 @@ GPU_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 GDN_OPS = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
 QWEN_GDN = ("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:"
             "QwenGatedDeltaNetAttention")
+KV_CACHE_UTILS = "vllm.v1.core.kv_cache_utils"
 QWEN2VL_TV_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 QWEN2VL_PIL_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
 
@@ -199,6 +200,60 @@ PATCHES: tuple[Patch, ...] = (
             "the logged writes when the scheduler has freed blocks since the last step "
             "(`finished_req_ids`, `preempted_req_ids`). Nothing else changes.",
         retire="A proposer hook vLLM calls before each step with the scheduler output.",
+    ),
+    # ------------------------------------------------------- KV cache groups
+    Patch(
+        id="dspine-kv-cache-groups",
+        apply="kv_cache:patch_kv_cache_groups",
+        changes=(Symbol(f"{KV_CACHE_UTILS}:get_kv_cache_groups",
+                        ("vllm_config", "kv_cache_spec"),
+                        uses=("_get_kv_cache_groups_uniform_page_size",
+                              "unify_kv_cache_spec_page_size")),
+                 Symbol(f"{KV_CACHE_UTILS}:_get_kv_cache_groups_uniform_page_size",
+                        ("kv_cache_spec",),
+                        uses=("merge", "cdiv", "create_kv_cache_group_specs"))),
+        checks=(Symbol(f"{KV_CACHE_UTILS}:create_kv_cache_group_specs",
+                       ("kv_cache_spec", "grouped_layer_names")),
+                Symbol(f"{KV_CACHE_UTILS}:_max_memory_usage_bytes_from_groups",
+                       ("vllm_config", "kv_cache_groups")),
+                Symbol(f"{KV_CACHE_UTILS}:_pool_bytes_per_block",
+                       ("vllm_config", "kv_cache_groups")),
+                Symbol("vllm.v1.kv_cache_interface:replace_as",
+                       ("spec", "target_cls", "drop", "changes")),
+                Symbol("vllm.v1.spec_decode.llm_base_proposer:"
+                       "SpecDecodeBaseProposer.validate_same_kv_cache_group",
+                       ("self", "kv_cache_config")),
+                Symbol("vllm.model_executor.models.qwen3_dflash:"
+                       "DFlashQwen3ForCausalLM.__init__", ("self", "vllm_config", "prefix"),
+                       uses=("get_total_num_hidden_layers",)),
+                Symbol("vllm.model_executor.models.utils:extract_layer_index",
+                       ("layer_name", "num_attn_module"))),
+        when="always",
+        acts_on="engines with a DSpine draft whose layers do not all share one KV spec "
+                "(hybrid targets, sliding-window drafters)",
+        why="vLLM splits every bucket of same-spec layers into groups of the smallest "
+            "bucket's size and pads the rest (docs/hybrid.md, 'KV cache groups'). A "
+            "hybrid target with one full-attention layer put the sliding-window "
+            "drafter's two layers in two groups, and the engine died on vLLM's "
+            "`All drafting layers should belong to the same kv cache group`; at "
+            "Qwen3.8-27B-like sizes (48 GDN + 16 attention layers, 5 draft layers) the "
+            "group size became 5 and the target's attention KV was allocated for 20 "
+            "layers, 16 used (25 % more than needed).",
+        how="Inside `get_kv_cache_groups` of an engine with a DSpine draft, the split vLLM "
+            "makes once pages share one size is replaced by "
+            "`model/kv_cache_groups.py:plan_kv_cache_groups`: of the splits vLLM's rule "
+            "can make (any group size; the draft's sliding-window layers kept, or "
+            "allocated as full attention when the window covers max_model_len, attention "
+            "still windowed; a draft sharing a spec with target layers in their bucket or "
+            "in its own) that keep the draft in one group, the one with the fewest KV "
+            "bytes per request at max_model_len by vLLM's own count "
+            "(`_max_memory_usage_bytes_from_groups`); ties keep vLLM's grouping. "
+            "Everything else in `get_kv_cache_groups` is vLLM's; a draft its other paths "
+            "split is refused with a message naming the setting.",
+        retire="vLLM picks KV cache group sizes without padding (its FIXME in "
+               "`_get_kv_cache_groups_uniform_page_size`: e.g. the gcd of the bucket "
+               "sizes) and keeps a drafter's layers in one group, or its proposer "
+               "drafts across several groups.",
     ),
     # ---------------------------------------------------- CPU platform and kernels
     Patch(

@@ -1,0 +1,432 @@
+"""A hybrid target (Gated DeltaNet + full attention) with a sliding-window DSpine drafter,
+the released pair's configuration (issue 24, docs/hybrid.md "KV cache groups").
+
+vLLM 0.32.0 splits the drafter's sliding-window layers over two KV cache groups on the
+hybrid pair (3 GDN + 1 attention layer) and dies on an internal assert; the plugin's row
+`dspine-kv-cache-groups` (vllm_dspine/model/kv_cache_groups.py) regroups. Checked here:
+without an engine, that the restated vLLM rule is vLLM's, that vLLM's own function splits
+the draft and the patched one does not, and that the plan keeps the draft in one group
+for every mix of layer kinds; with engines, that DSpine on the pair's target with the
+distilled drafter given a window larger than max_model_len (allocated as full attention,
+grouped with the target's attention layer) and one smaller than the prompts (a
+sliding-window group of its own) starts and gives plain vLLM's greedy tokens up to bf16
+near-ties, with drafts accepted, and (`full` tier) every other mix of layer kinds and
+the sampled law.
+
+Self-contained on purpose (the shared test helpers are being reorganised): the near-tie
+comparison and the two-sample check restate those of tests/test_hybrid_engine.py and
+tests/test_hybrid_sampled.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from vllm_dspine.config import DSpineConfig
+from vllm_dspine.model.kv_cache_groups import (
+    grouping_structure,
+    plan_kv_cache_groups,
+    vllm_kv_cache_grouping,
+)
+from vllm_dspine.model.memory import (
+    KVPlanSettings,
+    kv_cache_specs,
+    kv_groups_report,
+    planning_config,
+    target_kv_dims,
+)
+from vllm_dspine.pairs.hybrid import LAYER_TYPES, draft_config, target_config
+
+GDN, ATTN = "linear_attention", "full_attention"
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+def _target(layer_types=LAYER_TYPES):
+    return target_kv_dims(target_config(tuple(layer_types)))
+
+
+def _unified_specs(target, draft, settings):
+    from vllm.v1.core.kv_cache_utils import unify_kv_cache_spec_page_size
+
+    return unify_kv_cache_spec_page_size(kv_cache_specs(target, draft, settings))
+
+
+def _draft_layers(specs, target):
+    return frozenset(list(specs)[len(target.layer_types):])
+
+
+# ------------------------------------------------------------------ no engine
+# Mixes of layer kinds (target) x draft windows x settings; "G" GDN, "A" attention.
+MIXES = ["GGGA", "GGAA", "GAAA", "GGGG", "GAGA", "AGGG", "GGGGGGGA", "GGGAGGGA"]
+
+
+@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize("window", [None, 64, 8192])
+def test_restated_rule_is_vllms(mix, window):
+    """`vllm_kv_cache_grouping` (the rule restated) gives the groups of vLLM's own
+    `get_kv_cache_groups` (unpatched), which the plan's comparisons and the memory
+    planner rely on."""
+    import inspect
+
+    from vllm.v1.core import kv_cache_utils
+
+    target = _target(GDN if c == "G" else ATTN for c in mix)
+    for settings in (KVPlanSettings(max_model_len=2048),
+                     KVPlanSettings(max_model_len=2048, mamba_cache_mode="align")):
+        specs = _unified_specs(target, draft_config(window), settings)
+        config = planning_config(settings)
+        vllms = inspect.unwrap(kv_cache_utils.get_kv_cache_groups)(config, dict(specs))
+        restated = vllm_kv_cache_grouping(config, specs, _draft_layers(specs, target))
+        assert [list(g) for g in restated.groups] == [g.layer_names for g in vllms]
+
+
+@pytest.mark.parametrize("n_layers", [4, 5, 8, 64])
+@pytest.mark.parametrize("draft_layers", [1, 2, 5])
+@pytest.mark.parametrize("window,max_model_len",
+                         [(None, 2048), (64, 2048), (8192, 2048), (8192, 131072)])
+def test_plan_keeps_the_draft_in_one_group_for_every_mix(n_layers, draft_layers, window,
+                                                          max_model_len):
+    """Every number of GDN layers (1 .. all) beside full attention, drafters of 1, 2 or 5
+    layers with no window, a window below and above max_model_len: the plan puts the draft
+    in one group (what vLLM's proposer needs), never needs more KV bytes per request than
+    vLLM's grouping where vLLM keeps the draft together, and allocates the draft as full
+    attention only when the window covers max_model_len."""
+    # 64 layers: a few mixes (each costs ~0.1 s of grouping arithmetic)
+    for n_gdn in range(1, n_layers + 1) if n_layers < 64 else (1, 16, 32, 48, 63, 64):
+        # Qwen3.5's pattern: full attention last in each run of layers.
+        step = n_layers / max(n_layers - n_gdn, 1)
+        types = [GDN] * n_layers
+        for k in range(n_layers - n_gdn):
+            types[min(n_layers - 1, int((k + 1) * step) - 1)] = ATTN
+        while types.count(GDN) != n_gdn:
+            types[types.index(GDN)] = ATTN
+        target = _target(types)
+        draft = dataclasses.replace(draft_config(window), num_hidden_layers=draft_layers)
+        for mode in ("none", "align"):
+            settings = KVPlanSettings(max_model_len=max_model_len, mamba_cache_mode=mode)
+            r = kv_groups_report(target, draft, settings)
+            where = f"{''.join('G' if t == GDN else 'A' for t in types)}, {mode}"
+            assert r.dspine.draft_groups == 1, where
+            if r.vllm.draft_groups == 1:
+                assert r.dspine.bytes_per_request <= r.vllm.bytes_per_request, where
+            assert not r.dspine.draft_promoted or window >= max_model_len, where
+
+
+def test_vllm_splits_the_pairs_draft_and_the_patch_does_not():
+    """The bug and its fix on the hybrid pair's KV specs (what the engine builds, checked
+    in the engine tests below): vLLM's own grouping puts the drafter's two sliding-window
+    layers in two groups of one (its proposer then asserts); the patched
+    `get_kv_cache_groups` of an engine with a DSpine draft keeps them in one group, here
+    with the target's attention layer (the window covers max_model_len: allocated as full
+    attention), and the target's three GDN layers in one group: no padding."""
+    import inspect
+    from types import SimpleNamespace
+
+    from vllm.v1.core import kv_cache_utils
+
+    from vllm_dspine.hf_config import DSpineHFConfig
+    from vllm_dspine.plugin.patches import apply_patch
+
+    apply_patch("dspine-kv-cache-groups")
+    target, draft = _target(), draft_config(8192)
+    settings = KVPlanSettings(max_model_len=2048)
+    specs = kv_cache_specs(target, draft, settings)
+    config = planning_config(settings)
+    vllms = inspect.unwrap(kv_cache_utils.get_kv_cache_groups)(config, dict(specs))
+    assert [g.layer_names for g in vllms][-2:] == [["model.layers.4.self_attn.attn"],
+                                                    ["model.layers.5.self_attn.attn"]]
+
+    hf = DSpineHFConfig(**{k: v for k, v in draft.to_dict().items()
+                           if k not in ("architectures", "model_type")})
+    config.speculative_config = SimpleNamespace(
+        draft_model_config=SimpleNamespace(hf_config=hf), method="dflash",
+        use_eagle=lambda: False, use_eagle_block_drop=lambda: False)
+    config.model_config.get_total_num_hidden_layers = lambda: len(target.layer_types)
+    groups = kv_cache_utils.get_kv_cache_groups(config, dict(specs))
+    assert [g.layer_names for g in groups] == [
+        ["model.layers.0.linear_attn", "model.layers.1.linear_attn",
+         "model.layers.2.linear_attn"],
+        ["model.layers.3.self_attn.attn", "model.layers.4.self_attn.attn",
+         "model.layers.5.self_attn.attn"]]
+    assert type(groups[1].kv_cache_spec).__name__ == "FullAttentionSpec"
+
+
+def test_a_draft_split_by_another_path_is_refused_with_the_setting():
+    """vLLM's other grouping paths (not regrouped) that split the draft meet a message
+    naming the draft's `sliding_window` instead of vLLM's bare assert."""
+    from types import SimpleNamespace
+
+    from vllm_dspine.plugin.patches.kv_cache import check_draft_in_one_group
+
+    draft = frozenset({"model.layers.4.self_attn.attn", "model.layers.5.self_attn.attn"})
+    one = [SimpleNamespace(layer_names=["model.layers.0.linear_attn"]),
+           SimpleNamespace(layer_names=sorted(draft))]
+    check_draft_in_one_group(one, draft)
+    split = [SimpleNamespace(layer_names=[n]) for n in sorted(draft)]
+    with pytest.raises(ValueError, match="sliding_window.*null"):
+        check_draft_in_one_group(split, draft)
+
+
+# ------------------------------------------------------------------ engines
+# bf16: the only dtype vLLM's CPU GDN path runs. Greedy outputs are compared as equal up
+# to the first bf16 near-tie, as tests/test_hybrid_engine.py does (docs/hybrid.md,
+# "Exactness on CPU": both engines' tokens within NEAR_TIE of the fp32 reference's best).
+NEAR_TIE = 0.25
+ENGINE_KW = dict(dtype="bfloat16", max_num_seqs=16, max_model_len=2048)
+
+
+def _engine(target_dir, spec=None, **kw):
+    from engine_utils import make_llm
+
+    return make_llm(target_dir, spec, **{**ENGINE_KW, **kw})
+
+
+def _close(llm) -> None:
+    del llm
+    gc.collect()
+
+
+def _windowed_draft(draft_dir: str, window: int | None, out_dir) -> str:
+    """A copy of `draft_dir` whose config.json sets `sliding_window` (same weights)."""
+    out = os.path.join(str(out_dir), f"draft_window_{window}")
+    if not os.path.isdir(out):
+        shutil.copytree(draft_dir, out)
+        path = os.path.join(out, "config.json")
+        with open(path) as f:
+            cfg = json.load(f)
+        cfg["sliding_window"] = window
+        with open(path, "w") as f:
+            json.dump(cfg, f, indent=2, sort_keys=True)
+    return out
+
+
+def _greedy_workload(n: int = 32):
+    """n prompts of 3..300 tokens (longer than a 64-position window); max_tokens 1..40
+    (some requests end within a block)."""
+    from vllm import SamplingParams
+
+    from engine_utils import prompts_of_lengths
+
+    prompts = prompts_of_lengths(n, longest=300)
+    lens = [(1, 2, 3)[i // 8] if i % 8 == 0 and i < 24 else 24 + (5 * i) % 17
+            for i in range(n)]
+    return prompts, [SamplingParams(temperature=0.0, max_tokens=m) for m in lens]
+
+
+@pytest.fixture(scope="module")
+def pair(hybrid_trained_pair):
+    return hybrid_trained_pair  # conftest.py: the pair with its distilled drafter
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+    from transformers import Qwen3_5ForCausalLM
+
+    return Qwen3_5ForCausalLM.from_pretrained(pair.target_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def greedy_want(pair):
+    prompts, params = _greedy_workload()
+    llm = _engine(pair.target_dir)
+    try:
+        want = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    finally:
+        _close(llm)
+    return prompts, params, want
+
+
+def assert_equal_up_to_near_ties(reference, outs, want, min_identical: float = 0.4):
+    """Every request's greedy tokens equal `want`'s, or fork where both tokens' fp32
+    reference logits lie within NEAR_TIE of the best one; at least `min_identical` of the
+    requests identical throughout (tests/test_hybrid_engine.py's criterion)."""
+    identical, gaps = 0, []
+    for i, (o, w) in enumerate(zip(outs, want)):
+        g = list(o.outputs[0].token_ids)
+        if g == w:
+            identical += 1
+            continue
+        d = next((t for t in range(min(len(g), len(w))) if g[t] != w[t]), None)
+        assert d is not None, f"request {i}: {len(g)} tokens, plain vLLM {len(w)}"
+        with torch.no_grad():
+            logits = reference(torch.tensor([list(o.prompt_token_ids) + w[:d]])).logits[0, -1]
+        best = float(logits.max())
+        gap = max(best - float(logits[g[d]]), best - float(logits[w[d]]))
+        gaps.append(gap)
+        assert gap < NEAR_TIE, f"request {i} forks from plain vLLM at token {d} " \
+                               f"({g[d]} vs {w[d]}, {gap:.3f} below the fp32 best)"
+    print(f"identical {identical} of {len(want)}; fork gaps {[round(x, 3) for x in gaps]}")
+    assert identical >= min_identical * len(want), (identical, len(want))
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("window,prefix_caching,structure", [
+    # window >= max_model_len: allocated as full attention, in the target's attention
+    # group (3 + 3 layers, no padding; vLLM's own grouping: 6 groups, the draft in two)
+    (8192, False, "2 groups of 3 slots: target state x 1 (3 layers), target + draft full "
+                  "attention x 1 (3 layers); padding none; draft layers in 1 group(s)"),
+    # window < the prompts: a sliding-window group; the draft's two layers need groups
+    # of two, so one GDN and the attention slot go unused (the least KV per request)
+    (64, True, "4 groups of 2 slots: target state x 2 (2+1 layers), target full attention "
+               "x 1 (1 layers), draft sliding window x 1 (2 layers); padding 1 target "
+               "state, 1 target full attention; draft layers in 1 group(s)"),
+], ids=["window8192", "window64-prefix_caching"])
+def test_sliding_window_drafter_on_the_hybrid_target_equals_plain_vllm(
+        pair, reference, greedy_want, tmp_path_factory, capfd, window, prefix_caching,
+        structure):
+    """The engine starts with the groups the plan gives (the plugin's log line), decodes
+    32 greedy requests of 3..300 prompt tokens like plain vLLM (up to bf16 near-ties,
+    `dspine_verify` 'fixed') with drafts accepted at positions 1 and 2 (blocks partly
+    accepted and committed), with prefix caching (mamba cache mode 'align') for the
+    sliding-window group."""
+    from engine_utils import dspine_spec
+    from vllm_dspine.serving.metrics import ACCEPTED_PER_POS, NUM_ACCEPTED, spec_decode_counters
+
+    draft_dir = _windowed_draft(pair.draft_dir, window, tmp_path_factory.mktemp("sw"))
+    target = target_kv_dims(json.load(open(os.path.join(pair.target_dir, "config.json"))))
+    settings = KVPlanSettings(max_model_len=ENGINE_KW["max_model_len"],
+                              mamba_cache_mode="align" if prefix_caching else "none")
+    planned = kv_groups_report(target, DSpineConfig.from_pretrained(draft_dir), settings)
+    assert grouping_structure(planned.dspine) == structure
+    assert planned.vllm.draft_groups == 2  # what vLLM 0.32.0 would do: no start
+
+    prompts, params, want = greedy_want
+    capfd.readouterr()
+    llm = _engine(pair.target_dir, dspine_spec(draft_dir, dspine_verify="fixed"),
+                  enable_prefix_caching=prefix_caching)
+    try:
+        log = capfd.readouterr()
+        outs = llm.generate(prompts, params)
+        counters = spec_decode_counters(llm)
+    finally:
+        _close(llm)
+    assert f"vllm-dspine KV cache groups: {structure}" in log.out + log.err
+    accepted, per_pos = counters[NUM_ACCEPTED], counters[ACCEPTED_PER_POS]
+    print(f"window {window}: accepted {accepted}, per position {per_pos}")
+    assert accepted > 0 and per_pos[1] > 0, (accepted, per_pos)  # 2+ drafts accepted
+    assert [len(o.outputs[0].token_ids) for o in outs][:24:8] == [1, 2, 3]
+    assert_equal_up_to_near_ties(reference, outs, want)
+
+
+@pytest.mark.engine
+@pytest.mark.full
+@pytest.mark.parametrize("mix", ["GGGG", "GGAA", "GAAA", "GAGA"])
+def test_other_mixes_of_layer_kinds_start_and_equal_plain_vllm(tmp_path_factory, mix):
+    """Targets of every other mix of layer kinds vLLM accepts (all GDN; 1 : 1; 1 : 3;
+    alternating) with a random drafter of window 64 (below the prompts): the engine
+    starts (the draft's layers in one group) and greedy tokens equal plain vLLM's up to
+    bf16 near-ties."""
+    from transformers import Qwen3_5ForCausalLM
+
+    from engine_utils import dspine_spec
+    from vllm_dspine.pairs.hybrid import write_hybrid_pair
+
+    types = tuple(GDN if c == "G" else ATTN for c in mix)
+    p = write_hybrid_pair(str(tmp_path_factory.mktemp(f"mix_{mix}")), seed=0,
+                          layer_types=types, draft_sliding_window=64)
+    prompts, params = _greedy_workload(12)
+    llm = _engine(p.target_dir)
+    try:
+        want = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    finally:
+        _close(llm)
+    llm = _engine(p.target_dir, dspine_spec(p.draft_dir, dspine_verify="fixed"))
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        _close(llm)
+    reference = Qwen3_5ForCausalLM.from_pretrained(p.target_dir, dtype=torch.float32).eval()
+    assert_equal_up_to_near_ties(reference, outs, want)
+
+
+# ------------------------------------------------------------------ sampled (full tier)
+# A two-sample chi-square test of DSpine's tokens against plain vLLM's on the same bf16
+# target, as tests/test_hybrid_sampled.py (its docstring derives the power): with
+# SAMPLED_N per engine the test detects total variation TV at power 0.9, p < 1e-3.
+SAMPLED_N = int(os.environ.get("DSPINE_HYBRID_SW_SAMPLES", "200000"))
+TV, ALPHA, POWER = 0.01, 1e-3, 0.9
+# 150 tokens: longer than the drafter's 64-position window, so the window bites.
+SAMPLED_PROMPT = list(b"the quick brown fox jumps over the lazy dog. " * 4)[:150]
+
+
+def _sample_tokens(llm) -> torch.Tensor:
+    """[SAMPLED_N, 3] tokens of temperature-1 requests on SAMPLED_PROMPT."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=3, ignore_eos=True, detokenize=False, temperature=1.0)
+    chunks = []
+    for lo in range(0, SAMPLED_N, 20_000):  # bounded Python objects at once
+        n = min(20_000, SAMPLED_N - lo)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=SAMPLED_PROMPT)] * n, params,
+                            use_tqdm=False)
+        chunks.append(torch.tensor([list(o.outputs[0].token_ids) for o in outs]))
+    return torch.cat(chunks)
+
+
+def _two_sample(x: torch.Tensor, y: torch.Tensor, V: int) -> tuple[float, int]:
+    """Chi-square homogeneity of two token samples (bins: tokens >= 2 % of the pooled
+    sample alone, the rest together): (p-value, degrees of freedom)."""
+    from scipy.stats import chi2_contingency
+
+    cx, cy = torch.bincount(x, minlength=V).double(), torch.bincount(y, minlength=V).double()
+    big = (cx + cy) / (cx.sum() + cy.sum()) >= 0.02
+    table = torch.stack([torch.cat([c[big], c[~big].sum().view(1)]) for c in (cx, cy)])
+    table = table[:, table.sum(0) > 0]
+    return float(chi2_contingency(table.numpy())[1]), table.shape[1] - 1
+
+
+def _detectable_tv(df: int, n: int) -> float:
+    """The smallest TV two samples of n detect at power POWER (noncentrality 2 n TV^2)."""
+    from scipy.optimize import brentq
+    from scipy.stats import chi2, ncx2
+
+    crit = chi2.isf(ALPHA, df)
+    return float(brentq(lambda tv: ncx2.sf(crit, df, 2 * n * tv * tv) - POWER, 1e-5, 1.0))
+
+
+@pytest.mark.engine
+@pytest.mark.full
+def test_sliding_window_drafter_samples_follow_plain_vllm(pair, tmp_path_factory):
+    """Sampled requests (temperature 1) on a 150-token prompt, the distilled drafter with
+    a 64-position window in its sliding-window group, DSpine verifying exactly 2 drafts:
+    tokens 1-3 follow plain vLLM's law (p > 1e-3 each; TV 0.01 detectable at power 0.9),
+    drafts accepted at positions 1 and 2."""
+    from engine_utils import dspine_spec
+    from vllm_dspine.pairs.hybrid import TARGET_SIZES
+    from vllm_dspine.serving.metrics import ACCEPTED_PER_POS, NUM_DRAFTS, spec_decode_counters
+
+    draft_dir = _windowed_draft(pair.draft_dir, 64, tmp_path_factory.mktemp("sw_sampled"))
+    batch = dict(max_num_seqs=128, max_num_batched_tokens=128 * 16, max_model_len=256)
+    llm = _engine(pair.target_dir, **batch)
+    try:
+        want = _sample_tokens(llm)
+    finally:
+        _close(llm)
+    llm = _engine(pair.target_dir, dspine_spec(draft_dir, dspine_verify="fixed",
+                                               dspine_verify_max=2), **batch)
+    try:
+        got = _sample_tokens(llm)
+        counters = spec_decode_counters(llm)
+    finally:
+        _close(llm)
+    per_pos, drafts = counters[ACCEPTED_PER_POS], counters[NUM_DRAFTS]
+    assert per_pos[0] > 0 and per_pos[1] > 0, (per_pos, drafts)
+    for pos in (0, 1, 2):
+        p, df = _two_sample(got[:, pos], want[:, pos], TARGET_SIZES["vocab_size"])
+        tv90 = _detectable_tv(df, SAMPLED_N)
+        print(f"token {pos + 1}: p = {p:.3g}, df {df}, N {SAMPLED_N} + {SAMPLED_N}, TV "
+              f"{tv90:.4f} at power {POWER}; accepted per position {per_pos[:3]} of {drafts}")
+        assert p > ALPHA, f"token {pos + 1} does not follow plain vLLM's law (p {p:.2e})"
+        assert tv90 <= TV, f"token {pos + 1}: detects only TV {tv90:.4f} (df {df})"
