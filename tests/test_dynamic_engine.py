@@ -255,10 +255,13 @@ def test_batch_size_schedule_is_exact(engines, pair, plain_llm, tmp_path):
 
 
 # ------------------------------------------------- a drafter's retrieval vocabulary
+@pytest.mark.full
 def test_retrieval_vocab_restricts_the_candidates(engines, pair, plain_llm, tmp_path):
     """A drafter whose config.json lists `retrieval_vocab` (two thirds of the ids):
     every candidate of every step is one of them, the candidates and greedy drafts equal
-    the reference retrieval over those head rows, and greedy output equals plain."""
+    the reference retrieval over those head rows, and greedy output equals plain.
+    (`full` tier: an engine of its own, ~30 s; in the default tier the SmolLM2 drafter,
+    which has a retrieval vocabulary, is served by tests/test_smollm2_pair.py.)"""
     import json
     import shutil
 

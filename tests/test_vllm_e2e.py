@@ -399,9 +399,11 @@ def test_vllm_drafter_matches_reference_drafter(pair, spec_llm, dump_dir):
     assert checked >= 6, f"only {checked} drafting steps were checked"
 
 
+@pytest.mark.full
 def test_sliding_window_drafter_matches_reference(engines, tmp_path_factory):
     """A drafter with a 32-position window, on contexts longer than the window: vLLM's
-    sliding-window KV for the draft layers agrees with the reference's window mask."""
+    sliding-window KV for the draft layers agrees with the reference's window mask.
+    (`full` tier: an engine of its own, ~35 s; no shipped drafter has a window.)"""
     from vllm_dspine.pairs.tiny import write_tiny_pair
 
     pair = write_tiny_pair(str(tmp_path_factory.mktemp("pair_sw")), seed=1,
