@@ -32,7 +32,8 @@ ENGINE_MODULE_ORDER = (
     # `vllm serve` of the tiny pair (the Ray test compares with it)
     "test_serve", "test_ray_serve",
     # the hybrid pair, then SmolLM2
-    "test_hybrid_engine", "test_hybrid_sampled", "test_smollm2_convert", "test_smollm2_pair",
+    "test_hybrid_engine", "test_hybrid_sampled",
+    "test_smollm2_convert", "test_smollm2_pair",
 )
 
 
@@ -256,9 +257,9 @@ def smollm2_pair(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_server(tmp_path_factory, tiny_trained_pair):
     """One `vllm serve` of the tiny pair with `--speculative-config` DSpine (the default
-    settings, the distilled drafter) and engine_utils.SERVE_ARGS, for tests/test_serve.py and the
-    reference answers of tests/test_ray_serve.py; started on first use, not yet up
-    (`wait_up`), stopped at the end of the session."""
+    settings, the distilled drafter) and engine_utils.SERVE_ARGS, for tests/test_serve.py
+    and the reference answers of tests/test_ray_serve.py; started on first use, not yet
+    up (`wait_up`), stopped at the end of the session."""
     from engine_utils import SERVE_ARGS, dspine_spec, engine_env
     from vllm_dspine.serving.openai_server import VllmServer
 

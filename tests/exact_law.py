@@ -147,8 +147,8 @@ def exact_marginals(model, case: Case, tokens: int = 3) -> Exact:
     out0 = model(torch.tensor([prompt]), use_cache=True)
     p1, amb1 = processed_probs(case, out0.logits[:, -1], prompt, none)  # [1, V]
     p1 = p1[0]
-    acc = Exact(laws=[p1] + [torch.zeros(V, dtype=torch.float64) for _ in range(tokens - 1)],
-                pruned=[0.0] * tokens, ambiguous=float(amb1[0]))
+    later = [torch.zeros(V, dtype=torch.float64) for _ in range(tokens - 1)]
+    acc = Exact(laws=[p1] + later, pruned=[0.0] * tokens, ambiguous=float(amb1[0]))
     t1 = torch.nonzero(p1 >= PRUNE).squeeze(1)  # [n1]
     for j in range(1, tokens):
         acc.pruned[j] += float(p1[p1 < PRUNE].sum())

@@ -118,7 +118,8 @@ def pair_with_committed_drafter(kind: str, out_dir: str):
     with open(src / "config.json") as f:
         kept = json.load(f)
     assert written == kept, (f"the {kind} pair's draft config.json differs from {src}'s: "
-                             f"make the drafters again with `python tests/trained_drafters.py`")
+                             f"make the drafters again with "
+                             f"`python tests/trained_drafters.py`")
     for name in FILES:
         shutil.copyfile(src / name, os.path.join(pair.draft_dir, name))
     return pair
