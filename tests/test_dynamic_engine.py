@@ -218,6 +218,7 @@ def _check_drafts_against_reference(pair, dump_dir, seqs, vocab=None) -> int:
     return checked, rows_seen
 
 
+@pytest.mark.full  # an engine of its own (~30 s)
 def test_batch_size_schedule_is_exact(engines, pair, plain_llm, tmp_path):
     """`num_speculative_tokens_per_batch_size` [[1, 2, 15], [3, 8, 4], [9, 64, 0]] with
     the fixed length: 12 requests of different lengths finish one by one, so the batch
