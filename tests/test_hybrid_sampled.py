@@ -14,9 +14,9 @@ noncentrality of n samples, so twice the samples for the same power). SAMPLED_N 
 200,000 per case and engine detects TV 0.0094 (df 10) to 0.0099 (df 15) at power 0.9 with
 threshold p < 1e-3 (`_two_sample_detectable_tv`, asserted <= 0.01 per test; measured df
 4-7 at 6,000 samples). 6,000, the earlier size, saw only TV 0.048-0.057. Cost: 1.2 million
-3-token requests (~280 a second on the AVX-512 machine of docs/hybrid.md: about 70
-minutes; the 36,000 of 6,000 per case took 2,171.8 s in a fresh-clone CI run on an AVX2
-CPU, docs/hybrid.md).
+3-token requests (measured 2026-12-03 on one core of the AVX-512 machine: 60,000 with the
+two engine starts in 274 s, so about 77 minutes; the 36,000 of 6,000 per case took
+2,171.8 s in a fresh-clone CI run on an AVX2 CPU, docs/hybrid.md).
 
 The trained pair is conftest.py's `hybrid_trained_pair` (the committed distilled drafter).
 """
