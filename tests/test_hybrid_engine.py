@@ -15,21 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_fixtures import engine_kw, engine_metric
+from hybrid_fixtures import (assert_equal_up_to_near_ties, engine_kw, engine_metric,
+                             greedy_workload, tokens_of)
 from hybrid_fixtures import offline  # noqa: F401 - autouse: no model hub
 from vllm_dspine.serving.metrics import ACCEPTED_PER_POS, NUM_ACCEPTED, spec_decode_counters
 
-# bf16 is the only dtype vLLM's CPU GDN path runs, and DSpine's verify forward and replay
-# commit reach the same state as plain decoding through different kernels (fp32
-# differences ~1e-3 relative; a preempted request is recomputed by the chunked prefill
-# kernel): greedy outputs are compared as equal up to the first bf16 near-tie, where
-# both engines' tokens have fp32 reference logits (~10-14 here, bf16 spacing 0.0625)
-# within NEAR_TIE of the best (usually the top-2; on 2026-12-02 a fork after preemption
-# took a token outside the top-2, whose logits were 0.033 apart, so membership of the
-# top-2 is not the criterion). Measured (docs/hybrid.md): with the replay
-# commit every fork at a gap <= 0.14 (0.21 once, after a preemption); with a commit one
-# position short, 0 of 32 prompts identical and most forks at gaps 0.4 .. 5.4.
-NEAR_TIE = 0.25
+# Greedy outputs are compared with plain vLLM's as equal up to the first bf16 near-tie
+# (hybrid_fixtures.NEAR_TIE, assert_equal_up_to_near_ties: why, and the measured gaps).
 
 
 # The dynamic policy with a cost model injected instead of measured (docs/serving.md,
@@ -65,45 +57,6 @@ def reference(trained_pair):
                                               dtype=torch.float32).eval()
 
 
-def _tokens(outs) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def _fp32_logits(reference, prefix: list[int]) -> torch.Tensor:
-    """The fp32 reference's next-token logits after `prefix`."""
-    with torch.no_grad():
-        return reference(torch.tensor([prefix])).logits[0, -1]  # [vocab]
-
-
-def assert_equal_up_to_near_ties(reference, outs, want, min_identical: float = 0.4):
-    """Every request's greedy tokens equal `want`'s, or fork where both tokens' fp32
-    reference logits on the common prefix lie within NEAR_TIE of the best one (a bf16
-    near-tie: two, sometimes three, tokens that close); at least `min_identical` of the
-    requests identical throughout."""
-    identical, gaps = 0, []
-    for i, (o, w) in enumerate(zip(outs, want)):
-        g = list(o.outputs[0].token_ids)
-        if g == w:
-            identical += 1
-            continue
-        d = next((t for t in range(min(len(g), len(w))) if g[t] != w[t]), None)
-        assert d is not None, f"request {i}: {len(g)} tokens, plain vLLM {len(w)}"
-        logits = _fp32_logits(reference, list(o.prompt_token_ids) + w[:d])
-        best = float(logits.max())
-        ours, theirs = best - float(logits[g[d]]), best - float(logits[w[d]])
-        gap = max(ours, theirs)
-        gaps.append(gap)
-        top = logits.topk(3)
-        assert gap < NEAR_TIE, \
-            f"request {i} forks from plain vLLM at token {d} ({g[d]} vs {w[d]}, " \
-            f"{ours:.3f} and {theirs:.3f} below the fp32 best; fp32 top-3 " \
-            f"{top.indices.tolist()} at {[round(float(v), 3) for v in top.values]}): " \
-            f"not a near-tie"
-    print(f"identical {identical} of {len(want)}; fork gaps "
-          f"{[round(x, 3) for x in sorted(gaps)]}")  # pytest -s: the figures docs/hybrid.md cites
-    assert identical >= min_identical * len(want), (identical, len(want))
-
-
 @pytest.mark.engine
 def test_plain_vllm_decodes_the_hybrid_target(trained_pair, plain_llm, reference):
     """Plain vLLM (no speculation, bf16) on the target: greedy tokens equal transformers'
@@ -130,23 +83,10 @@ def test_plain_vllm_decodes_the_hybrid_target(trained_pair, plain_llm, reference
     assert compared >= 64
 
 
-def _greedy_workload(n: int = 32):
-    """n prompts of 3..300 tokens; max_tokens 1..40, a few of them 1-3 (so requests meet
-    max_tokens with drafts cut short or none: zero-draft steps)."""
-    from vllm import SamplingParams
-
-    from engine_utils import prompts_of_lengths
-
-    prompts = prompts_of_lengths(n, longest=300)
-    lens = [(1, 2, 3)[i // 8] if i % 8 == 0 and i < 24 else 24 + (5 * i) % 17
-            for i in range(n)]
-    return prompts, [SamplingParams(temperature=0.0, max_tokens=m) for m in lens]
-
-
 @pytest.fixture(scope="module")
 def greedy_want(plain_llm):
-    prompts, params = _greedy_workload()
-    return prompts, params, _tokens(plain_llm.generate(prompts, params))
+    prompts, params = greedy_workload()
+    return prompts, params, tokens_of(plain_llm.generate(prompts, params))
 
 
 @pytest.mark.engine
@@ -198,7 +138,7 @@ def test_dspine_preemption_with_a_small_kv_budget(engines, trained_pair, plain_l
     prompts = prompts_of_lengths(24, longest=300)
     params = [SamplingParams(temperature=0.0, max_tokens=100 + (17 * i) % 60,
                              ignore_eos=True) for i in range(len(prompts))]
-    want = _tokens(plain_llm.generate(prompts, params))
+    want = tokens_of(plain_llm.generate(prompts, params))
     # 'fixed': 15 drafts a step whatever the timing ('dynamic' measures the engine, so
     # how many blocks a step needs, and whether this budget preempts, would vary by run)
     with engines.private(trained_pair.target_dir,
@@ -268,5 +208,5 @@ def test_dspine_prefix_caching_equals_plain_vllm(engines, trained_pair, plain_ll
         types.SimpleNamespace(token_ids=o.outputs[0].token_ids[:40])]) for o in outs1]
     p1 = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     for prompts, params, outs in ((first, p1, head), (second, p2, outs2)):
-        want = _tokens(plain_llm.generate([{"prompt_token_ids": p} for p in prompts], params))
+        want = tokens_of(plain_llm.generate([{"prompt_token_ids": p} for p in prompts], params))
         assert_equal_up_to_near_ties(reference, outs, want)

@@ -12,8 +12,8 @@ homogeneity statistic is noncentral with lambda = (n / 2) sum (q - p)^2 / m, m =
 / 2, and lambda >= 2 n TV^2 (Cauchy-Schwarz, as in tests/exact_law.py: half the one-sample
 noncentrality of n samples, so twice the samples for the same power). SAMPLED_N =
 200,000 per case and engine detects TV 0.0094 (df 10) to 0.0099 (df 15) at power 0.9 with
-threshold p < 1e-3 (`_two_sample_detectable_tv`, asserted <= 0.01 per test; measured df
-4-7 at 6,000 samples). 6,000, the earlier size, saw only TV 0.048-0.057. Cost: 1.2 million
+threshold p < 1e-3 (`two_sample_detectable_tv`, asserted <= 0.01 per test; measured
+df 4-7 at 6,000 samples; the check and its bound are tests/hybrid_fixtures.py's). 6,000, the earlier size, saw only TV 0.048-0.057. Cost: 1.2 million
 3-token requests (measured 2026-12-03 on one core of the AVX-512 machine: 60,000 with the
 two engine starts in 274 s, so about 77 minutes; the 36,000 of 6,000 per case took
 2,171.8 s in a fresh-clone CI run on an AVX2 CPU, docs/hybrid.md).
@@ -28,7 +28,7 @@ import os
 import pytest
 import torch
 
-from hybrid_fixtures import engine_kw
+from hybrid_fixtures import ALPHA, POWER, engine_kw, two_sample, two_sample_detectable_tv
 from hybrid_fixtures import offline  # noqa: F401 - autouse: no model hub
 from vllm_dspine.pairs.hybrid import TARGET_SIZES
 from vllm_dspine.serving.metrics import ACCEPTED_PER_POS, NUM_DRAFTS, spec_decode_counters
@@ -41,8 +41,6 @@ def trained_pair(hybrid_trained_pair):
 
 SAMPLED_N = int(os.environ.get("DSPINE_HYBRID_SAMPLES", "200000"))  # per case and engine
 TV = 0.01
-ALPHA = 1e-3
-POWER = 0.9
 SAMPLED_CASES = {"t1": dict(temperature=1.0), "t0.7_top_k8": dict(temperature=0.7, top_k=8),
                  "t0.8_top_p0.9": dict(temperature=0.8, top_p=0.9)}
 SAMPLED_PROMPT = list(b"the quick brown fox jumps over")
@@ -65,31 +63,6 @@ def _sample_tokens(llm) -> dict[str, torch.Tensor]:
         chunks.append(torch.tensor([list(o.outputs[0].token_ids) for o in outs]))  # [n k, 3]
     tokens = torch.cat(chunks).view(-1, k, 3)  # [N, k, 3]
     return {c: tokens[:, i] for i, c in enumerate(names)}
-
-
-def _two_sample(x: torch.Tensor, y: torch.Tensor, V: int) -> tuple[float, int]:
-    """Chi-square homogeneity of two token samples over bins (tokens >= 2 % of the pooled
-    sample alone, the rest together). Returns (p-value, degrees of freedom)."""
-    from scipy.stats import chi2_contingency
-
-    cx, cy = torch.bincount(x, minlength=V).double(), torch.bincount(y, minlength=V).double()
-    pooled = (cx + cy) / (cx.sum() + cy.sum())
-    big = pooled >= 0.02
-    rows = [torch.cat([c[big], c[~big].sum().view(1)]) for c in (cx, cy)]
-    table = torch.stack(rows)
-    table = table[:, table.sum(0) > 0]
-    return float(chi2_contingency(table.numpy())[1]), table.shape[1] - 1
-
-
-def _two_sample_detectable_tv(df: int, n: int) -> float:
-    """The smallest TV the two-sample test (two samples of n, df, threshold ALPHA)
-    detects with power POWER in the worst case (noncentrality 2 n TV^2, module
-    docstring)."""
-    from scipy.optimize import brentq
-    from scipy.stats import chi2, ncx2
-
-    crit = chi2.isf(ALPHA, df)
-    return float(brentq(lambda tv: ncx2.sf(crit, df, 2 * n * tv * tv) - POWER, 1e-5, 1.0))
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +95,8 @@ def test_dspine_samples_follow_plain_vllm(sampled, case):
     assert per_pos[0] > 0 and per_pos[1] > 0, (per_pos, drafts)
     V = TARGET_SIZES["vocab_size"]
     for pos in (0, 1, 2):
-        p, df = _two_sample(got[case][:, pos], want[case][:, pos], V)
-        tv90 = _two_sample_detectable_tv(df, SAMPLED_N)
+        p, df = two_sample(got[case][:, pos], want[case][:, pos], V)
+        tv90 = two_sample_detectable_tv(df, SAMPLED_N)
         print(f"{case} token {pos + 1}: two-sample chi-square p = {p:.3g}, df {df}, "
               f"N {SAMPLED_N} + {SAMPLED_N}, TV {tv90:.4f} at power {POWER}; accepted per "
               f"position {per_pos[:3]} of {drafts}")
@@ -135,7 +108,7 @@ def test_two_sample_check_detects_a_shifted_law():
     """The check can fail (its sensitivity at the full tier's sample size): samples of
     SAMPLED_N from two laws at total variation 0.01 are rejected; two samples of one law
     are not; and the worst-case bound gives TV <= 0.01 at power 0.9 up to df 15."""
-    assert _two_sample_detectable_tv(15, SAMPLED_N) <= TV
+    assert two_sample_detectable_tv(15, SAMPLED_N) <= TV
     g = torch.Generator().manual_seed(0)
     p = torch.softmax(torch.randn(512, generator=g) * 2.5, 0)
     q = p.clone()
@@ -147,5 +120,5 @@ def test_two_sample_check_detects_a_shifted_law():
     a = torch.multinomial(p, SAMPLED_N, True, generator=g)
     b = torch.multinomial(q, SAMPLED_N, True, generator=g)
     c = torch.multinomial(p, SAMPLED_N, True, generator=g)
-    assert _two_sample(a, b, 512)[0] < ALPHA
-    assert _two_sample(a, c, 512)[0] > ALPHA
+    assert two_sample(a, b, 512)[0] < ALPHA
+    assert two_sample(a, c, 512)[0] > ALPHA

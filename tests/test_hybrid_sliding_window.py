@@ -13,9 +13,8 @@ sliding-window group of its own) starts and gives plain vLLM's greedy tokens up 
 near-ties, with drafts accepted, and (`full` tier) every other mix of layer kinds and
 the sampled law.
 
-Self-contained on purpose (the shared test helpers are being reorganised): the near-tie
-comparison and the two-sample check restate those of tests/test_hybrid_engine.py and
-tests/test_hybrid_sampled.py.
+The greedy workload, the near-tie comparison and the two-sample check are those of the
+other hybrid modules (tests/hybrid_fixtures.py).
 """
 
 from __future__ import annotations
@@ -29,6 +28,9 @@ import shutil
 import pytest
 import torch
 
+from hybrid_fixtures import (ALPHA, POWER, assert_equal_up_to_near_ties, greedy_workload,
+                             tokens_of, two_sample, two_sample_detectable_tv)
+from hybrid_fixtures import offline  # noqa: F401 - autouse: no model hub
 from vllm_dspine.config import DSpineConfig
 from vllm_dspine.model.kv_cache_groups import (
     grouping_structure,
@@ -45,12 +47,6 @@ from vllm_dspine.model.memory import (
 from vllm_dspine.pairs.hybrid import LAYER_TYPES, draft_config, target_config
 
 GDN, ATTN = "linear_attention", "full_attention"
-
-
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
 
 
 def _target(layer_types=LAYER_TYPES):
@@ -181,9 +177,8 @@ def test_a_draft_split_by_another_path_is_refused_with_the_setting():
 
 # ------------------------------------------------------------------ engines
 # bf16: the only dtype vLLM's CPU GDN path runs. Greedy outputs are compared as equal up
-# to the first bf16 near-tie, as tests/test_hybrid_engine.py does (docs/hybrid.md,
-# "Exactness on CPU": both engines' tokens within NEAR_TIE of the fp32 reference's best).
-NEAR_TIE = 0.25
+# to the first bf16 near-tie (hybrid_fixtures.assert_equal_up_to_near_ties; docs/hybrid.md,
+# "Exactness on CPU").
 ENGINE_KW = dict(dtype="bfloat16", max_num_seqs=16, max_model_len=2048)
 
 
@@ -212,19 +207,6 @@ def _windowed_draft(draft_dir: str, window: int | None, out_dir) -> str:
     return out
 
 
-def _greedy_workload(n: int = 32):
-    """n prompts of 3..300 tokens (longer than a 64-position window); max_tokens 1..40
-    (some requests end within a block)."""
-    from vllm import SamplingParams
-
-    from engine_utils import prompts_of_lengths
-
-    prompts = prompts_of_lengths(n, longest=300)
-    lens = [(1, 2, 3)[i // 8] if i % 8 == 0 and i < 24 else 24 + (5 * i) % 17
-            for i in range(n)]
-    return prompts, [SamplingParams(temperature=0.0, max_tokens=m) for m in lens]
-
-
 @pytest.fixture(scope="module")
 def pair(hybrid_trained_pair):
     return hybrid_trained_pair  # conftest.py: the pair with its distilled drafter
@@ -239,38 +221,13 @@ def reference(pair):
 
 @pytest.fixture(scope="module")
 def greedy_want(pair):
-    prompts, params = _greedy_workload()
+    prompts, params = greedy_workload()
     llm = _engine(pair.target_dir)
     try:
-        want = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+        want = tokens_of(llm.generate(prompts, params))
     finally:
         _close(llm)
     return prompts, params, want
-
-
-def assert_equal_up_to_near_ties(reference, outs, want, min_identical: float = 0.4):
-    """Every request's greedy tokens equal `want`'s, or fork where both tokens' fp32
-    reference logits lie within NEAR_TIE of the best one; at least `min_identical` of the
-    requests identical throughout (tests/test_hybrid_engine.py's criterion)."""
-    identical, gaps = 0, []
-    for i, (o, w) in enumerate(zip(outs, want)):
-        g = list(o.outputs[0].token_ids)
-        if g == w:
-            identical += 1
-            continue
-        d = next((t for t in range(min(len(g), len(w))) if g[t] != w[t]), None)
-        assert d is not None, f"request {i}: {len(g)} tokens, plain vLLM {len(w)}"
-        with torch.no_grad():
-            # no cache: transformers' cache of an all-GDN model has no length to report
-            logits = reference(torch.tensor([list(o.prompt_token_ids) + w[:d]]),
-                               use_cache=False).logits[0, -1]
-        best = float(logits.max())
-        gap = max(best - float(logits[g[d]]), best - float(logits[w[d]]))
-        gaps.append(gap)
-        assert gap < NEAR_TIE, f"request {i} forks from plain vLLM at token {d} " \
-                               f"({g[d]} vs {w[d]}, {gap:.3f} below the fp32 best)"
-    print(f"identical {identical} of {len(want)}; fork gaps {[round(x, 3) for x in gaps]}")
-    assert identical >= min_identical * len(want), (identical, len(want))
 
 
 @pytest.mark.engine
@@ -338,10 +295,10 @@ def test_other_mixes_of_layer_kinds_start_and_equal_plain_vllm(tmp_path_factory,
     types = tuple(GDN if c == "G" else ATTN for c in mix)
     p = write_hybrid_pair(str(tmp_path_factory.mktemp(f"mix_{mix}")), seed=0,
                           layer_types=types, draft_sliding_window=64)
-    prompts, params = _greedy_workload(12)
+    prompts, params = greedy_workload(12)
     llm = _engine(p.target_dir)
     try:
-        want = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+        want = tokens_of(llm.generate(prompts, params))
     finally:
         _close(llm)
     llm = _engine(p.target_dir, dspine_spec(p.draft_dir, dspine_verify="fixed"))
@@ -355,10 +312,11 @@ def test_other_mixes_of_layer_kinds_start_and_equal_plain_vllm(tmp_path_factory,
 
 # ------------------------------------------------------------------ sampled (full tier)
 # A two-sample chi-square test of DSpine's tokens against plain vLLM's on the same bf16
-# target, as tests/test_hybrid_sampled.py (its docstring derives the power): with
-# SAMPLED_N per engine the test detects total variation TV at power 0.9, p < 1e-3.
+# target (hybrid_fixtures.two_sample; tests/test_hybrid_sampled.py's docstring derives the
+# power): with SAMPLED_N per engine the test detects total variation TV at power POWER,
+# p < ALPHA.
 SAMPLED_N = int(os.environ.get("DSPINE_HYBRID_SW_SAMPLES", "200000"))
-TV, ALPHA, POWER = 0.01, 1e-3, 0.9
+TV = 0.01
 # 150 tokens: longer than the drafter's 64-position window, so the window bites.
 SAMPLED_PROMPT = list(b"the quick brown fox jumps over the lazy dog. " * 4)[:150]
 
@@ -375,27 +333,6 @@ def _sample_tokens(llm) -> torch.Tensor:
                             use_tqdm=False)
         chunks.append(torch.tensor([list(o.outputs[0].token_ids) for o in outs]))
     return torch.cat(chunks)
-
-
-def _two_sample(x: torch.Tensor, y: torch.Tensor, V: int) -> tuple[float, int]:
-    """Chi-square homogeneity of two token samples (bins: tokens >= 2 % of the pooled
-    sample alone, the rest together): (p-value, degrees of freedom)."""
-    from scipy.stats import chi2_contingency
-
-    cx, cy = torch.bincount(x, minlength=V).double(), torch.bincount(y, minlength=V).double()
-    big = (cx + cy) / (cx.sum() + cy.sum()) >= 0.02
-    table = torch.stack([torch.cat([c[big], c[~big].sum().view(1)]) for c in (cx, cy)])
-    table = table[:, table.sum(0) > 0]
-    return float(chi2_contingency(table.numpy())[1]), table.shape[1] - 1
-
-
-def _detectable_tv(df: int, n: int) -> float:
-    """The smallest TV two samples of n detect at power POWER (noncentrality 2 n TV^2)."""
-    from scipy.optimize import brentq
-    from scipy.stats import chi2, ncx2
-
-    crit = chi2.isf(ALPHA, df)
-    return float(brentq(lambda tv: ncx2.sf(crit, df, 2 * n * tv * tv) - POWER, 1e-5, 1.0))
 
 
 @pytest.mark.engine
@@ -426,8 +363,8 @@ def test_sliding_window_drafter_samples_follow_plain_vllm(pair, tmp_path_factory
     per_pos, drafts = counters[ACCEPTED_PER_POS], counters[NUM_DRAFTS]
     assert per_pos[0] > 0 and per_pos[1] > 0, (per_pos, drafts)
     for pos in (0, 1, 2):
-        p, df = _two_sample(got[:, pos], want[:, pos], TARGET_SIZES["vocab_size"])
-        tv90 = _detectable_tv(df, SAMPLED_N)
+        p, df = two_sample(got[:, pos], want[:, pos], TARGET_SIZES["vocab_size"])
+        tv90 = two_sample_detectable_tv(df, SAMPLED_N)
         print(f"token {pos + 1}: p = {p:.3g}, df {df}, N {SAMPLED_N} + {SAMPLED_N}, TV "
               f"{tv90:.4f} at power {POWER}; accepted per position {per_pos[:3]} of {drafts}")
         assert p > ALPHA, f"token {pos + 1} does not follow plain vLLM's law (p {p:.2e})"
