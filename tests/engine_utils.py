@@ -125,3 +125,85 @@ def assert_candidates_match_reference(final_rows, head, ref_cand, cand, where: s
     assert gap < 1e-3, (f"{where}: engine candidates are not the reference top-"
                         f"{ref_cand.shape[1]} (score gap {gap:.3g})")
     return True
+
+
+def target_features(target_dir: str, layer_ids, token_ids: list[int]):
+    """Residual-stream outputs of the target's layers `layer_ids` on `token_ids` (vLLM's
+    auxiliary states), [T, len(layer_ids) H], and the fp32 transformers target."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    with torch.no_grad():
+        out = model(torch.tensor([token_ids]), output_hidden_states=True)
+    return torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1), model
+
+
+def check_drafts_against_reference(pair, dump_dir: str, seqs: dict[str, list[int]],
+                                   vocab=None) -> tuple[int, list[int]]:
+    """Each drafting step an engine dumped (VLLM_DSPINE_DEBUG_DUMP) into `dump_dir`
+    against the reference drafter (model/drafter.py) on the committed text `seqs`
+    (request id -> prompt + output token ids): the vLLM model's final states of the
+    block's proposal rows to fp32 tolerance (1e-4), its retrieval candidates equal up to
+    near-ties (`assert_candidates_match_reference`; over the head rows `vocab` only,
+    mapped back to token ids, when the drafter has a retrieval vocabulary), and its
+    greedy drafts equal to the reference tail's on the engine's own candidates. A step
+    that drafted only the block's first K rows (a schedule or the policy capped
+    verification at K) must equal the first K rows of the reference's full block.
+    Returns (number of (step, request) checked, rows per request of each checked
+    step)."""
+    import glob
+    import os
+
+    import torch
+
+    from vllm_dspine.kernels.retrieval import retrieve_candidates
+    from vllm_dspine.kernels.tail import LastWriteInputs, TailWeights, refine_last_write
+    from vllm_dspine.model.checkpoint import bridge_weights, load_draft_checkpoint
+    from vllm_dspine.model.drafter import block_forward
+
+    cfg, tensors = load_draft_checkpoint(pair.draft_dir)
+    cache, checked, rows_seen = {}, 0, []
+    for path in sorted(glob.glob(os.path.join(dump_dir, "*.pt"))):
+        step = torch.load(path)
+        K = step["draft_token_ids"].shape[1]  # drafts this step's block computed
+        for r, req_id in enumerate(step["req_ids"]):
+            seq = seqs[req_id.split("-")[0]]
+            p = int(step["anchor_positions"][r])
+            if p >= len(seq):
+                # Drafted in the step that finished the request: its accepted tokens
+                # ran past max_tokens and were cut, so the anchor is not in the output.
+                continue
+            assert seq[p] == int(step["anchor_ids"][r])
+            if req_id not in cache:
+                cache[req_id] = target_features(pair.target_dir, cfg.target_layer_ids, seq)
+            feats, target = cache[req_id]
+            head = target.lm_head.weight.detach()
+            # The statement of the model (model/drafter.py) on this one block.
+            out = block_forward(cfg, tensors, target.model.embed_tokens.weight.detach(),
+                                head, torch.tensor([seq]), feats[None], torch.tensor([[p]]))
+            final = out.final_hidden[0, 0]  # [B, H]
+            torch.testing.assert_close(step["final_hidden"][r * K:(r + 1) * K],
+                                       final[1:K + 1], rtol=1e-4, atol=1e-4)
+            if vocab is None:
+                cand = retrieve_candidates(final[1:], head, cfg.head_topk, cfg.coarse_topk,
+                                           None, mode="bf16")
+            else:  # retrieval over the listed head rows only, mapped back to token ids
+                cand = vocab[retrieve_candidates(final[1:], head[vocab], cfg.head_topk,
+                                                 cfg.coarse_topk, None, mode="bf16")]
+            # Equal up to near-ties; the tail is then checked on the engine's own
+            # candidates, so a near-tie costs no coverage.
+            assert_candidates_match_reference(final[1:K + 1], head, cand[:K],
+                                              step["cand_ids"][r], f"{req_id} anchor {p}")
+            cand = torch.cat([step["cand_ids"][r], cand[K:]])  # [B - 1, k] the engine's first K
+            proposal = refine_last_write(
+                LastWriteInputs(out.pre_write_state[0], out.last_codes[0],
+                                out.last_rms[0], torch.tensor([seq[p]])),
+                cand[None],
+                TailWeights(bridge_weights(cfg, tensors), tensors["norm.weight"],
+                            cfg.rms_norm_eps, head),
+                torch.zeros(1))
+            assert torch.equal(proposal.draft_token_ids[0, :K], step["draft_token_ids"][r])
+            checked += 1
+            rows_seen.append(K)
+    return checked, rows_seen

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from engine_utils import assert_candidates_match_reference, dspine_spec, prompts_of_lengths
+from engine_utils import check_drafts_against_reference, dspine_spec, prompts_of_lengths
 from exact_law import Case, check_follows, exact_marginals, load_float64_target
 from vllm_dspine.serving.metrics import spec_decode_counters
 
@@ -161,63 +161,6 @@ def test_greedy_identical_with_the_measured_policy(engines, pair, plain_llm):
 
 
 # ------------------------------------------------- vLLM's batch-size schedule
-def _check_drafts_against_reference(pair, dump_dir, seqs, vocab=None) -> int:
-    """Each dumped drafting step against the reference drafter (model/drafter.py) on
-    the committed text: final states, candidates and greedy drafts. A step that drafted
-    only the block's first n rows (the schedule or the policy capped verification at n)
-    must equal the first n rows of the reference's full 16-row block. Returns
-    (number of (step, request) checked, rows per request of each checked step)."""
-    from test_vllm_e2e import _target_features
-
-    from vllm_dspine.kernels.retrieval import retrieve_candidates
-    from vllm_dspine.kernels.tail import LastWriteInputs, TailWeights, refine_last_write
-    from vllm_dspine.model.checkpoint import bridge_weights, load_draft_checkpoint
-    from vllm_dspine.model.drafter import block_forward
-
-    cfg, tensors = load_draft_checkpoint(pair.draft_dir)
-    cache, checked, rows_seen = {}, 0, []
-    for path in sorted(glob.glob(os.path.join(dump_dir, "*.pt"))):
-        step = torch.load(path)
-        K = step["draft_token_ids"].shape[1]  # drafts this step's block computed
-        for r, req_id in enumerate(step["req_ids"]):
-            seq = seqs[req_id.split("-")[0]]
-            p = int(step["anchor_positions"][r])
-            if p >= len(seq):
-                continue  # drafted in the step that finished the request
-            assert seq[p] == int(step["anchor_ids"][r])
-            if req_id not in cache:
-                cache[req_id] = _target_features(pair.target_dir, cfg.target_layer_ids, seq)
-            feats, target = cache[req_id]
-            head = target.lm_head.weight.detach()
-            out = block_forward(cfg, tensors, target.model.embed_tokens.weight.detach(),
-                                head, torch.tensor([seq]), feats[None], torch.tensor([[p]]))
-            final = out.final_hidden[0, 0]
-            torch.testing.assert_close(step["final_hidden"][r * K:(r + 1) * K],
-                                       final[1:K + 1], rtol=1e-4, atol=1e-4)
-            if vocab is None:
-                cand = retrieve_candidates(final[1:], head, cfg.head_topk, cfg.coarse_topk,
-                                           None, mode="bf16")
-            else:  # retrieval over the listed head rows only, mapped back to token ids
-                cand = vocab[retrieve_candidates(final[1:], head[vocab], cfg.head_topk,
-                                                 cfg.coarse_topk, None, mode="bf16")]
-            # Equal up to near-ties; the tail is then checked on the engine's own
-            # candidates, so a near-tie costs no coverage.
-            assert_candidates_match_reference(final[1:K + 1], head, cand[:K],
-                                              step["cand_ids"][r], f"{req_id} anchor {p}")
-            cand = torch.cat([step["cand_ids"][r], cand[K:]])  # [B - 1, k] the engine's first K
-            proposal = refine_last_write(
-                LastWriteInputs(out.pre_write_state[0], out.last_codes[0],
-                                out.last_rms[0], torch.tensor([seq[p]])),
-                cand[None],
-                TailWeights(bridge_weights(cfg, tensors), tensors["norm.weight"],
-                            cfg.rms_norm_eps, head),
-                torch.zeros(1))
-            assert torch.equal(proposal.draft_token_ids[0, :K], step["draft_token_ids"][r])
-            checked += 1
-            rows_seen.append(K)
-    return checked, rows_seen
-
-
 @pytest.mark.full  # an engine of its own (~30 s)
 def test_batch_size_schedule_is_exact(engines, pair, plain_llm, tmp_path):
     """`num_speculative_tokens_per_batch_size` [[1, 2, 15], [3, 8, 4], [9, 64, 0]] with
@@ -249,7 +192,7 @@ def test_batch_size_schedule_is_exact(engines, pair, plain_llm, tmp_path):
     assert hist[0] > 0 and hist[4] > 0 and hist[15] > 0, hist
     seqs = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
             for o in outs}
-    checked, rows = _check_drafts_against_reference(pair, dump_dir, seqs)
+    checked, rows = check_drafts_against_reference(pair, dump_dir, seqs)
     assert checked >= 8, f"only {checked} drafting steps were checked"
     # The schedule's 4-draft steps drafted a 5-row block, the 15-draft steps all 16 rows.
     assert set(rows) == {4, 15}, sorted(set(rows))
@@ -291,5 +234,5 @@ def test_retrieval_vocab_restricts_the_candidates(engines, pair, plain_llm, tmp_
         assert torch.isin(torch.load(path)["cand_ids"], allowed).all(), path
     seqs = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
             for o in outs}
-    checked, _ = _check_drafts_against_reference(pair, dump_dir, seqs, vocab=allowed)
+    checked, _ = check_drafts_against_reference(pair, dump_dir, seqs, vocab=allowed)
     assert checked >= 6, f"only {checked} drafting steps were checked"

@@ -19,7 +19,8 @@ import os
 import pytest
 import torch
 
-from engine_utils import assert_candidates_match_reference, dspine_spec, prompts_of_lengths
+from engine_utils import (assert_candidates_match_reference, check_drafts_against_reference,
+                          dspine_spec, prompts_of_lengths)
 from vllm_dspine.serving.metrics import spec_decode_counters
 
 pytestmark = pytest.mark.engine
@@ -318,75 +319,18 @@ def test_sampled_proposal_matches_reference(pair, target, mixed_run):
     assert checked["near_ties"] <= 3, checked
 
 
-def _target_features(target_dir, layer_ids, token_ids):
-    """Residual-stream outputs of the target's layers (vLLM's auxiliary states)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
-    with torch.no_grad():
-        out = model(torch.tensor([token_ids]), output_hidden_states=True)
-    return torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1), model
-
-
 def _check_against_reference(pair, llm, dump_dir, prompts, max_tokens) -> int:
     """Runs greedy `prompts` on `llm` (dumping every drafting step) and checks each step
-    against the reference drafter; returns the number of (step, request) checked."""
+    against the reference drafter (engine_utils.check_drafts_against_reference: final
+    states, candidates, greedy drafts); returns the number of (step, request) checked."""
     from vllm import SamplingParams
-
-    from vllm_dspine.model.checkpoint import load_draft_checkpoint
-    from vllm_dspine.kernels.retrieval import retrieve_candidates
-    from vllm_dspine.kernels.tail import LastWriteInputs, TailWeights, refine_last_write
-    from vllm_dspine.model.checkpoint import bridge_weights
-    from vllm_dspine.model.drafter import block_forward
 
     _clear(dump_dir)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                 ignore_eos=True))
     seqs = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
             for o in outs}
-    cfg, tensors = load_draft_checkpoint(pair.draft_dir)
-    checked = 0
-    cache = {}
-    for path in sorted(glob.glob(os.path.join(dump_dir, "*.pt"))):
-        step = torch.load(path)
-        # Drafts this step's block computed: 15, or fewer where dynamic verification
-        # drafted only the rows it could verify (they must equal the full block's first).
-        K = step["draft_token_ids"].shape[1]
-        for r, req_id in enumerate(step["req_ids"]):
-            seq = seqs[req_id.split("-")[0]]
-            p = int(step["anchor_positions"][r])
-            if p >= len(seq):
-                # Drafted in the step that finished the request: its accepted tokens
-                # ran past max_tokens and were cut, so the anchor is not in the output.
-                continue
-            assert seq[p] == int(step["anchor_ids"][r])
-            if req_id not in cache:
-                cache[req_id] = _target_features(pair.target_dir, cfg.target_layer_ids, seq)
-            feats, target = cache[req_id]
-            embed = target.model.embed_tokens.weight.detach()
-            head = target.lm_head.weight.detach()
-            # The statement of the model (model/drafter.py) on this one block.
-            out = block_forward(cfg, tensors, embed, head, torch.tensor([seq]), feats[None],
-                                torch.tensor([[p]]))
-            final = out.final_hidden[0, 0]  # [B, H]
-            vllm_final = step["final_hidden"][r * K:(r + 1) * K]
-            torch.testing.assert_close(vllm_final, final[1:K + 1], rtol=1e-4, atol=1e-4)
-            cand = retrieve_candidates(final[1:], head, cfg.head_topk, cfg.coarse_topk, None,
-                                       mode="bf16")
-            # Equal up to near-ties; the tail is then checked on the engine's own
-            # candidates, so a near-tie costs no coverage.
-            assert_candidates_match_reference(final[1:K + 1], head, cand[:K],
-                                              step["cand_ids"][r], f"{req_id} anchor {p}")
-            cand = torch.cat([step["cand_ids"][r], cand[K:]])  # [B - 1, k] the engine's first K
-            proposal = refine_last_write(
-                LastWriteInputs(out.pre_write_state[0], out.last_codes[0],
-                                out.last_rms[0], torch.tensor([seq[p]])),
-                cand[None],
-                TailWeights(bridge_weights(cfg, tensors), tensors["norm.weight"],
-                            cfg.rms_norm_eps, head),
-                torch.zeros(1))
-            assert torch.equal(proposal.draft_token_ids[0, :K], step["draft_token_ids"][r])
-            checked += 1
+    checked, _ = check_drafts_against_reference(pair, dump_dir, seqs)
     return checked
 
 
