@@ -67,10 +67,15 @@ def test_tail_items_are_what_tail_tables_build_allocates():
 
 
 def test_totals_and_kv_allocation(released):
-    full = memory_report(released, max_context=131072, max_concurrency=8)
+    full = memory_report(released, max_context=131072, max_concurrency=8,
+                         kv_allocation="full")
     win = memory_report(released, max_context=131072, max_concurrency=8,
                         kv_allocation="window")
-    assert full.kv_allocation == "full"  # default: what vLLM allocates today
+    default = memory_report(released, max_context=131072, max_concurrency=8)
+    # default: what the KV planner allocates, the 8,192-position window (shorter than
+    # the context), test_default_kv_allocation_is_the_planners
+    assert default.kv_allocation == "window"
+    assert default.per_request_bytes == win.per_request_bytes
     assert full.shared_bytes == win.shared_bytes
     assert full.per_request_bytes - win.per_request_bytes == int(2.5 * GiB) - 160 * MiB
     assert full.total_bytes == full.shared_bytes + 8 * full.per_request_bytes
@@ -78,6 +83,34 @@ def test_totals_and_kv_allocation(released):
     assert full.shared_bytes - no_fp8.shared_bytes == 248320 * (5120 + 4)
     with pytest.raises(ValueError, match="kv_allocation"):
         memory_report(released, max_context=1, max_concurrency=1, kv_allocation="paged")
+
+
+def test_default_kv_allocation_is_the_planners():
+    """The draft K/V the totals count by default is what the plugin's KV planner
+    (model/kv_cache_groups.py, beside the assumed Qwen3.8-27B target) allocates. By hand,
+    the released drafter's 20,480 B per position (2 x 5 layers x 8 heads x 128 x 2 B):
+
+    | window | max_context | planner's draft spec | counted per request |
+    | 8,192 | 131,072 | sliding window (blocks behind it freed) | 8,192 x 20,480 = 167,772,160 B |
+    | 8,192 | 8,192 | full attention (window covers the context) | 8,192 x 20,480 = 167,772,160 B |
+    | 8,192 | 4,096 | full attention (window covers the context) | 4,096 x 20,480 = 83,886,080 B |
+    | none | 131,072 | full attention | 131,072 x 20,480 = 2,684,354,560 B |
+
+    (plus the block workspace, the other per-request item)."""
+    from vllm_dspine.model.kv_cache_groups import layer_kind
+    from vllm_dspine.model.memory import QWEN38_27B_TARGET, KVPlanSettings, kv_groups_report
+
+    for window, ctx, kind, kv in [(8192, 131072, "sliding window", 167_772_160),
+                                  (8192, 8192, "full attention", 167_772_160),
+                                  (8192, 4096, "full attention", 83_886_080),
+                                  (None, 131072, "full attention", 2_684_354_560)]:
+        cfg = DSpineConfig.from_dict(dict(RELEASED_QWEN38_27B, sliding_window=window))
+        plan = kv_groups_report(QWEN38_27B_TARGET, cfg, KVPlanSettings(max_model_len=ctx))
+        assert {layer_kind(plan.dspine.specs[n]) for n in plan.dspine.draft_layers} == \
+            {kind}, (window, ctx)
+        r = memory_report(cfg, max_context=ctx, max_concurrency=1)
+        assert r.kv_allocation == ("window" if kind == "sliding window" else "full")
+        assert r.per_request_bytes == kv + r.item("block workspace").bytes, (window, ctx)
 
 
 def test_no_window_means_full_context(released):

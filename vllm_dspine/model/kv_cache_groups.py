@@ -82,6 +82,15 @@ def split_buckets(buckets: list[list[str]], group_size: int) -> list[list[str]]:
     return groups
 
 
+def window_covers(sliding_window: int | None, max_model_len: int) -> bool:
+    """Whether a draft window covers `max_model_len` (no window: it covers everything).
+    Where it does not, the plan keeps the draft's sliding-window KV spec (blocks behind
+    the window freed); where it does, the draft's K/V holds every position
+    (`promote_draft`, or a window no block ever leaves). `model/memory.py` counts the
+    draft K/V by the same rule."""
+    return sliding_window is None or sliding_window >= max_model_len
+
+
 def promote_draft(specs: dict, draft_layers: frozenset[str],
                   max_model_len: int) -> dict | None:
     """`specs` with the draft's sliding-window layers allocated as full attention (vLLM's
@@ -93,7 +102,8 @@ def promote_draft(specs: dict, draft_layers: frozenset[str],
 
     windowed = [n for n in specs if n in draft_layers and isinstance(specs[n],
                                                                       SlidingWindowSpec)]
-    if not windowed or any(specs[n].sliding_window < max_model_len for n in windowed):
+    if not windowed or not all(window_covers(specs[n].sliding_window, max_model_len)
+                               for n in windowed):
         return None
     # A promoted spec keeps every block, so the trailing-edge extension is moot.
     return {n: replace_as(s, FullAttentionSpec, drop=("extra_retained_tokens",))

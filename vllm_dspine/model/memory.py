@@ -28,7 +28,8 @@ import torch
 from vllm_dspine.config import RELEASED_QWEN38_27B, DSpineConfig
 from vllm_dspine.kernels.tail import TailTables
 from vllm_dspine.model.checkpoint import expected_tensor_shapes
-from vllm_dspine.model.kv_cache_groups import KVCacheGrouping, plan_kv_cache_groups
+from vllm_dspine.model.kv_cache_groups import (KVCacheGrouping, plan_kv_cache_groups,
+                                                window_covers)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -41,11 +42,19 @@ _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 TAIL_TABLE_DTYPE_BYTES = torch.empty(
     (), dtype=inspect.signature(TailTables.build).parameters["dtype"].default).element_size()
 
-# Which draft K/V size counts in the totals. vLLM allocates draft K/V for the full context
-# unless the drafter's layers get a sliding-window KV spec, which our integration does not
-# use yet: "full" is the default. "window" is what an allocator that reclaims positions
-# behind the sliding window would hold.
+# Which draft K/V size counts in the totals: "full" (every position of the context) or
+# "window" (the sliding window's positions: blocks behind it freed). The default is what
+# the KV planner allocates (`planned_kv_allocation`).
 KV_ALLOCATIONS = ("full", "window")
+
+
+def planned_kv_allocation(cfg: DSpineConfig, max_context: int) -> str:
+    """The draft K/V the plugin's KV planner (row `dspine-kv-cache-groups`,
+    `model/kv_cache_groups.py`) allocates for `max_context` (= max_model_len): "window"
+    when the drafter has a sliding window shorter than the context (its layers keep
+    vLLM's sliding-window KV spec, blocks behind the window freed), else "full" (no
+    window, or a window covering the context: every position kept)."""
+    return "full" if window_covers(cfg.sliding_window, max_context) else "window"
 
 
 @dataclass(frozen=True)
@@ -132,12 +141,15 @@ def _block_workspace_bytes(cfg: DSpineConfig, act_bytes: int) -> tuple[int, str]
 
 def memory_report(cfg: DSpineConfig, *, max_context: int, max_concurrency: int,
                   kv_dtype_bytes: int = 2, weight_dtype_bytes: int = 2,
-                  fp8_head: bool = True, kv_allocation: str = "full",
+                  fp8_head: bool = True, kv_allocation: str | None = None,
                   tail_table_dtype_bytes: int = TAIL_TABLE_DTYPE_BYTES) -> MemoryReport:
     """Resident bytes of the drafter for `max_concurrency` requests of up to `max_context`.
 
-    kv_allocation: "full" (vLLM's allocation without a sliding-window KV spec; our
-    integration today) or "window" (positions behind `sliding_window` reclaimed).
+    kv_allocation: which draft K/V item the totals count, "full" (every position) or
+    "window" (positions behind `sliding_window` reclaimed); None (the default): what the
+    KV planner allocates (`planned_kv_allocation`: "window" when the window is shorter
+    than `max_context`). vLLM also keeps the tokens in flight and a block beyond the
+    window (payload only here).
     tail_table_dtype_bytes: element size of the per-token tail tables; the default is what
     `TailTables.build` allocates without a dtype (fp32, what the proposer builds), not the
     weight dtype.
@@ -145,6 +157,8 @@ def memory_report(cfg: DSpineConfig, *, max_context: int, max_concurrency: int,
     if max_context <= 0 or max_concurrency <= 0:
         raise ValueError(f"memory_report: max_context and max_concurrency must be > 0, got "
                          f"{max_context} and {max_concurrency}")
+    if kv_allocation is None:
+        kv_allocation = planned_kv_allocation(cfg, max_context)
     if kv_allocation not in KV_ALLOCATIONS:
         raise ValueError(f"memory_report: kv_allocation must be one of {KV_ALLOCATIONS}, "
                          f"got {kv_allocation!r}")
@@ -162,11 +176,13 @@ def memory_report(cfg: DSpineConfig, *, max_context: int, max_concurrency: int,
         MemoryItem(
             "draft KV, allocated (full context)", max_context * per_pos, True,
             f"{per_pos:,} B/position x {max_context:,} positions; what vLLM allocates "
-            f"without a sliding-window KV spec", in_total=kv_allocation == "full"),
+            f"for a drafter without a window or one covering the context",
+            in_total=kv_allocation == "full"),
         MemoryItem(
             "draft KV, logical window", window * per_pos, True,
             f"{per_pos:,} B/position x {window:,} positions (sliding_window="
-            f"{cfg.sliding_window}); what attention reads", in_total=kv_allocation == "window"),
+            f"{cfg.sliding_window}); what attention reads, and what vLLM allocates for a "
+            f"shorter window (sliding-window KV spec)", in_total=kv_allocation == "window"),
         MemoryItem("draft layers", groups["layers"] * wb, False,
                    f"{L} layers: attention, MLP, norms"),
         MemoryItem("fc + norms", groups["fc_norms"] * wb, False,
@@ -552,7 +568,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--weight-dtype-bytes", type=int, default=None,
                     help="default: from config.json's torch_dtype")
     ap.add_argument("--no-fp8-head", action="store_true")
-    ap.add_argument("--kv-allocation", choices=KV_ALLOCATIONS, default="full")
+    ap.add_argument("--kv-allocation", choices=KV_ALLOCATIONS, default=None,
+                    help="which draft K/V the totals count (default: what the KV planner "
+                         "allocates: 'window' for a window shorter than --max-context)")
     ap.add_argument("--tail-table-dtype-bytes", type=int, default=TAIL_TABLE_DTYPE_BYTES,
                     help="element size of the per-token tail tables (default: what "
                          "TailTables.build allocates, fp32)")
