@@ -1,7 +1,7 @@
 """Dynamic verification through vLLM on CPU, on the distilled tiny pair: fewer drafts
-never change the output, the sparse q of a verified prefix is the one drawn, the draft
-KV stays right through steps that skip the block, and vLLM's batch-size schedule is
-exact. Engines are expensive (~25 s each on 2 cores): they come from the session's
+never change the output, the sparse q of a verified prefix is the one drawn, and (`full`
+tier, docs/testing.md says why) vLLM's batch-size schedule is exact and the draft KV
+stays right through steps that skip the block. Engines are expensive (~25 s each on 2 cores): they come from the session's
 registry (conftest.py: the plain engine and the default DSpine engine are shared with
 tests/test_robust_engine.py and the other modules of the tiny pair; the schedule and
 retrieval-vocabulary engines are private to their tests and shut down after them). Each
