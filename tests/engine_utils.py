@@ -158,8 +158,8 @@ def check_drafts_against_reference(pair, dump_dir: str, seqs: dict[str, list[int
     import torch
 
     from vllm_dspine.kernels.retrieval import retrieve_candidates
-    from vllm_dspine.kernels.tail import LastWriteInputs, TailWeights, refine_last_write
-    from vllm_dspine.model.checkpoint import bridge_weights, load_draft_checkpoint
+    from vllm_dspine.kernels.tail import LastWriteInputs, refine_last_write
+    from vllm_dspine.model.checkpoint import load_draft_checkpoint, tail_weights
     from vllm_dspine.model.drafter import block_forward
 
     cfg, tensors = load_draft_checkpoint(pair.draft_dir)
@@ -200,8 +200,7 @@ def check_drafts_against_reference(pair, dump_dir: str, seqs: dict[str, list[int
                 LastWriteInputs(out.pre_write_state[0], out.last_codes[0],
                                 out.last_rms[0], torch.tensor([seq[p]])),
                 cand[None],
-                TailWeights(bridge_weights(cfg, tensors), tensors["norm.weight"],
-                            cfg.rms_norm_eps, head),
+                tail_weights(cfg, tensors, head),
                 torch.zeros(1))
             assert torch.equal(proposal.draft_token_ids[0, :K], step["draft_token_ids"][r])
             checked += 1

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from vllm_dspine.kernels.bridge_ref import BridgeWeights  # noqa: F401  (tail weights below)
-from vllm_dspine.model.checkpoint import bridge_weights, random_draft_tensors
+from vllm_dspine.model.checkpoint import random_draft_tensors, tail_weights
 from vllm_dspine.model.drafter import block_forward, last_write_with_predecessor
 from vllm_dspine.pairs.tiny import draft_config, write_tiny_pair
 from vllm_dspine.train import corpus as C
@@ -155,8 +155,7 @@ def test_training_write_is_what_the_tail_scores(trained_like):
     """`last_write_with_predecessor` with predecessor u, dotted with head[v], is the
     serial tail's S_t(u, v) (`kernels/tail_ref.tail_score_tables_ref`): training the
     last write on the true previous token trains exactly what serving scores."""
-    from vllm_dspine.kernels.tail_ref import (LastWriteInputs, TailWeights,
-                                              tail_score_tables_ref)
+    from vllm_dspine.kernels.tail_ref import LastWriteInputs, tail_score_tables_ref
 
     cfg, w, ids, feats, embed, head = trained_like
     anchors = torch.tensor([[7, 12], [9, 15]])
@@ -168,8 +167,7 @@ def test_training_write_is_what_the_tail_scores(trained_like):
                              codes=out.last_codes.reshape(S * nb, B, -1),
                              rms=out.last_rms.reshape(S * nb, B),
                              anchor_ids=ids.gather(1, anchors).reshape(-1))
-    weights = TailWeights(bridge=bridge_weights(cfg, w), norm_weight=w["norm.weight"],
-                          norm_eps=cfg.rms_norm_eps, head_weight=head)
+    weights = tail_weights(cfg, w, head)
     table = tail_score_tables_ref(inputs, cand, weights, dtype=torch.float64)  # [R, K, k, k]
     # predecessor of row t (t >= 2) = candidate i = 3 of row t - 1; row 1's = the anchor
     i = 3

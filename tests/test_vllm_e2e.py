@@ -243,16 +243,15 @@ def test_sampled_proposal_matches_reference(pair, target, mixed_run):
     at the reference argmax. This covers the per-request slicing of the sampling
     parameters, the generators and the batch order (request ids of the dump)."""
     from vllm_dspine.kernels.retrieval import retrieve_candidates
-    from vllm_dspine.kernels.tail import (LastWriteInputs, TailWeights,
-                                          filter_candidate_probs, tail_score_tables)
-    from vllm_dspine.model.checkpoint import bridge_weights, load_draft_checkpoint
+    from vllm_dspine.kernels.tail import (LastWriteInputs, filter_candidate_probs,
+                                          tail_score_tables)
+    from vllm_dspine.model.checkpoint import load_draft_checkpoint, tail_weights
     from vllm_dspine.model.drafter import block_forward
 
     _, params, first, _, steps = mixed_run
     by_id = {o.request_id: (list(o.prompt_token_ids) + list(o.outputs[0].token_ids), sp)
              for o, sp in zip(first, params)}
     cfg, tensors = load_draft_checkpoint(pair.draft_dir)
-    bridge = bridge_weights(cfg, tensors)
     embed = target.model.embed_tokens.weight.detach()
     head = target.lm_head.weight.detach()
     K = cfg.num_proposals
@@ -289,7 +288,7 @@ def test_sampled_proposal_matches_reference(pair, target, mixed_run):
         S = tail_score_tables(
             LastWriteInputs(out.pre_write_state[0], out.last_codes[0], out.last_rms[0],
                             torch.tensor([seq[p] for _, _, p in todo])),
-            cand, TailWeights(bridge, tensors["norm.weight"], cfg.rms_norm_eps, head),
+            cand, tail_weights(cfg, tensors, head),
             None, torch.float64)  # [nb, K, k, k]
         for b, (step, r, p) in enumerate(todo):
             drafts = step["draft_token_ids"][r].view(-1).tolist()

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from vllm_dspine.config import DSpineConfig
 from vllm_dspine.kernels.bridge_ref import BridgeWeights
+from vllm_dspine.kernels.tail_ref import TailWeights
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -196,6 +197,14 @@ def bridge_weights(cfg: DSpineConfig, tensors: dict[str, torch.Tensor]) -> Bridg
         write=[tensors[f"bridge.write.{l}.weight"] for l in range(L)],
         eps=cfg.bridge_eps,
     )
+
+
+def tail_weights(cfg: DSpineConfig, tensors: dict[str, torch.Tensor],
+                 head: torch.Tensor) -> TailWeights:
+    """What the tail reads from a loaded checkpoint: its bridge, its final norm, and the
+    target's output head `head` [V, H] (the drafter has none of its own)."""
+    return TailWeights(bridge_weights(cfg, tensors), tensors["norm.weight"],
+                       cfg.rms_norm_eps, head)
 
 
 # ----------------------------------------------------------------------------- writing

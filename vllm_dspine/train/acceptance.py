@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_dspine.config import DSpineConfig
-from vllm_dspine.model.checkpoint import bridge_weights
+from vllm_dspine.model.checkpoint import tail_weights
 from vllm_dspine.model.drafter import block_forward
 
 
@@ -89,10 +89,9 @@ def greedy_acceptance(cfg: DSpineConfig, w: dict[str, torch.Tensor], embed_token
                                 ).float().mean().item()
     if tail:
         from vllm_dspine.kernels.retrieval import retrieve_candidates
-        from vllm_dspine.kernels.tail import (LastWriteInputs, TailTables, TailWeights,
-                                              refine_last_write)
+        from vllm_dspine.kernels.tail import LastWriteInputs, TailTables, refine_last_write
 
-        bridge = bridge_weights(cfg, w)
+        weights = tail_weights(cfg, w, lm_head)
         final = torch.cat([o.final_hidden for o in outs]).view(S * nb, B, -1)
         cand = to_full(retrieve_candidates(final[:, 1:].reshape(-1, final.shape[-1]), head,
                                            cfg.head_topk, min(cfg.coarse_topk, head.shape[0]),
@@ -102,9 +101,8 @@ def greedy_acceptance(cfg: DSpineConfig, w: dict[str, torch.Tensor], embed_token
                             torch.cat([o.last_codes for o in outs]).view(S * nb, B, -1),
                             torch.cat([o.last_rms for o in outs]).view(S * nb, B),
                             ids.gather(1, anchors).reshape(-1)),
-            cand, TailWeights(bridge, w["norm.weight"], cfg.rms_norm_eps, lm_head),
-            temperature=torch.zeros(S * nb),
-            tables=TailTables.build(bridge, lm_head, w["norm.weight"]))
+            cand, weights, temperature=torch.zeros(S * nb),
+            tables=TailTables.build(weights.bridge, lm_head, weights.norm_weight))
         acc = _leading_matches(prop.draft_token_ids, truth)  # [S*nb]
         stats["acceptance_tail"] = acc.float().mean().item()
         # per position: share of blocks whose first t drafts are all accepted
@@ -129,14 +127,13 @@ def sampled_acceptance(cfg: DSpineConfig, w: dict[str, torch.Tensor], embed_toke
     length of the block is sum_t prod_{i <= t} a_i.
     """
     from vllm_dspine.kernels.retrieval import retrieve_candidates
-    from vllm_dspine.kernels.tail import (LastWriteInputs, TailTables, TailWeights,
-                                          refine_last_write)
+    from vllm_dspine.kernels.tail import LastWriteInputs, TailTables, refine_last_write
 
     S = ids.shape[0]
     B, k = cfg.block_size, cfg.head_topk
     K = B - 1
-    bridge = bridge_weights(cfg, w)
-    tables = TailTables.build(bridge, lm_head, w["norm.weight"])
+    weights = tail_weights(cfg, w, lm_head)
+    tables = TailTables.build(weights.bridge, lm_head, weights.norm_weight)
     lengths = []
     for p in anchor_positions:
         out = block_forward(cfg, w, embed_tokens, lm_head, ids, features,
@@ -147,8 +144,7 @@ def sampled_acceptance(cfg: DSpineConfig, w: dict[str, torch.Tensor], embed_toke
                 for _ in range(S)]
         prop = refine_last_write(LastWriteInputs(out.pre_write_state[:, 0], out.last_codes[:, 0],
                                                  out.last_rms[:, 0], ids[:, p]),
-                                 cand, TailWeights(bridge, w["norm.weight"], cfg.rms_norm_eps,
-                                                   lm_head),
+                                 cand, weights,
                                  temperature=torch.full((S,), temperature),
                                  generators=gens, tables=tables)
         draft = prop.draft_token_ids  # [S, K]
