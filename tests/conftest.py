@@ -27,7 +27,7 @@ import pytest  # noqa: E402
 # started once rather than once per group it is evicted from (`EngineRegistry`).
 ENGINE_MODULE_ORDER = (
     # the tiny pair: the plain engine, the default DSpine engine
-    "test_dynamic_engine", "test_robust_engine", "test_robust_faults", "test_vllm_e2e",
+    "test_dynamic_engine", "test_lookup_engine", "test_robust_engine", "test_robust_faults", "test_vllm_e2e",
     "test_exact_distribution", "test_draft_folder_changes",
     # `vllm serve` of the tiny pair (the Ray test compares with it)
     "test_serve", "test_ray_serve",

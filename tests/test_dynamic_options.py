@@ -49,6 +49,15 @@ def test_fixed_with_a_cap_and_an_injected_cost_are_accepted(pair):
                                                        "draft_s": 0.0}
 
 
+def test_lookup_is_accepted_with_its_lengths(pair):
+    """`dspine_lookup` (docs/lookup.md) with the dynamic policy, its n-gram lengths."""
+    _, config = _build(pair, {"dspine_lookup": True, "dspine_lookup_min": 1,
+                              "dspine_lookup_max": 3})
+    o = _options(config)
+    assert (o["dspine_lookup"], o["dspine_lookup_min"], o["dspine_lookup_max"]) == (True, 1, 3)
+    assert o["dspine_verify"] == "dynamic"
+
+
 def test_batch_size_schedule_is_accepted(pair):
     """vLLM's `num_speculative_tokens_per_batch_size` is supported: the block is still
     drafted whole, verification takes the schedule's count (tests/test_dynamic_engine.py
@@ -74,6 +83,14 @@ def test_batch_size_schedule_is_accepted(pair):
     pytest.param({"num_speculative_tokens_per_batch_size": [[2, 8, 3]]},
                  r"num_speculative_tokens_per_batch_size'\] = .*start at 1",
                  id="schedule-not-from-1"),
+    pytest.param({"dspine_lookup": "yes"}, r"dspine_lookup'\] = 'yes'", id="lookup-not-bool"),
+    pytest.param({"dspine_lookup_min": 0}, r"dspine_lookup_min'\] = 0.*from 1 to 16",
+                 id="lookup-min-zero"),
+    pytest.param({"dspine_lookup_min": 5, "dspine_lookup_max": 3},
+                 r"dspine_lookup_min'\] = 5 is above", id="lookup-min-above-max"),
+    pytest.param({"dspine_lookup": True, "dspine_verify": "fixed"},
+                 r"dspine_lookup'\] = true needs dspine_verify 'dynamic'",
+                 id="lookup-with-fixed"),
 ])
 def test_bad_settings_are_refused(pair, extra, match):
     with pytest.raises(ValueError, match=match):

@@ -581,3 +581,156 @@ def test_context_writes_are_immediate_where_blocks_free_mid_request():
     _skipped_step(p, 3, 2)
     assert [w[1] for w in p.model.writes] == [[0, 1, 2], [3, 4]]
     assert len(p._context_log) == 0
+
+
+# ------------------------------------------------------------ prompt lookup
+def _lookup(lengths, conf=0.85):
+    """A LookupBatch: request i has lengths[i] lookup drafts (ids 100 + t) at `conf`."""
+    from vllm_dspine.proposer.lookup import LookupBatch
+
+    R = len(lengths)
+    drafts = np.full((R, K), -1, dtype=np.int64)
+    c = np.zeros((R, K))
+    for i, n in enumerate(lengths):
+        drafts[i, :n] = 100 + np.arange(n)
+        c[i, :n] = conf
+    return LookupBatch(drafts, np.array(lengths, dtype=np.int64), c)
+
+
+def _lookup_certain(cal: AcceptanceCalibrator, conf=0.85, n: int = 400) -> None:
+    for _ in range(n):
+        cal.observe(np.full(K, conf), True, K, K)
+
+
+def _drafter_poor(cal: AcceptanceCalibrator, n: int = 60) -> None:
+    """The drafter's first drafts observed rejected (greedy)."""
+    for _ in range(n):
+        cal.observe(np.full(K, 0.5), True, 0, K)
+
+
+def test_lookup_only_step_is_costed_without_the_drafter():
+    """A step that skips the drafter for the lookup is priced as one: the drafter's time
+    is left out of its rate (`choose_lookup_only`), so lookup drafts that would not pay
+    beside a dear drafter are verified without it; and with the measured cost model the
+    step's time goes to the verification curve (at its N target tokens) and to the
+    context-only drafter path, never to the drafter's block fit."""
+    # The drafter costs 50 steps: beside it nothing pays, even certain drafts.
+    cost = InjectedStepCost(step_s=0.02, token_s=0.0002, draft_s=1.0)
+    v = DynamicVerifier(K, cost)
+    _lookup_certain(v.lookup_calibrator)
+    _drafter_poor(v.calibrator)
+    ids, kinds, caps = ["a"], np.array([GREEDY]), np.array([K])
+    look = _lookup([10])
+    G = v.lookup_gains(look, kinds == GREEDY)
+    assert G[0, :10].min() > 0.95 and G[0, 10:].max() == 0
+    with_drafter = choose_lengths(G, np.array([10]), kinds, None, cost.step_seconds,
+                                  cost.draft_s, 0.0, 1 << 30)
+    # Charged the drafter's time, the best step with these drafts is worse than plain
+    # decoding: a drafted step would not pay.
+    assert with_drafter.rho_draft < with_drafter.rho_plain
+    v.begin(ids, [0], None, 1)
+    plan = v.plan(kinds, caps)
+    assert plan.draft and v.lookup_replaces_drafter(plan, kinds, look)
+    lengths = v.choose_lookup_only(ids, kinds, plan.caps, look)
+    v.end(ids, drafted=False)
+    assert list(lengths) == [10]
+    assert v.summary()["steps_lookup_only"] == 1 and v.summary()["steps_drafted"] == 0
+
+    # Measured: the lookup-only steps' time is verification (N = 1 + drafts) plus the
+    # context-only path; the drafter's block fit sees nothing.
+    clock = FakeClock()
+    v = DynamicVerifier(K, None, clock=clock)
+    _lookup_certain(v.lookup_calibrator)
+    _drafter_poor(v.calibrator)
+    # Make the cost model ready (two operating points, a drafter time).
+    for n in (1, 4, 1, 4):
+        clock.t += 0.02 + 0.001 * n
+        v.begin(ids, [0], None, n)
+        v.plan(kinds, caps)
+        v.step_cost.observe(n, 0.02 + 0.001 * n)
+    v.draft_cost.observe(2, 0.005)
+    assert v.ready
+    drafter_fit = v.draft_cost._s.copy()
+    contexts_before = float(v.context_cost._s[0])
+    n_tokens = 1
+    for _ in range(5):
+        clock.t += 0.02 + 0.001 * n_tokens
+        v.begin(ids, [0], None, n_tokens)
+        plan = v.plan(kinds, caps)
+        assert v.lookup_replaces_drafter(plan, kinds, look)
+        lengths = v.choose_lookup_only(ids, kinds, plan.caps, look)
+        clock.t += 0.0005  # the context-only write and the lookup itself
+        v.end(ids, drafted=False)
+        n_tokens = 1 + int(lengths.sum())
+        assert n_tokens == 11
+    assert np.array_equal(v.draft_cost._s, drafter_fit)
+    assert float(v.context_cost._s[0]) > contexts_before
+    assert v.context_seconds(1) == pytest.approx(0.0005, rel=0.01)
+    assert float(v.step_cost.step_seconds(11)) == pytest.approx(0.031, rel=0.1)
+
+
+def test_lookup_and_drafter_chosen_per_request_and_calibrated_apart():
+    """In one drafted step: a greedy request whose lookup is worth more verifies the
+    lookup's drafts, one without a lookup the drafter's, one where neither pays none.
+    What vLLM then reports accepted goes to the calibrator of the source each request
+    verified."""
+    cost = InjectedStepCost(step_s=0.02, token_s=0.0002, draft_s=0.002)
+    v = DynamicVerifier(K, cost)
+    _lookup_certain(v.lookup_calibrator, conf=0.85)
+    for _ in range(400):  # lookup drafts of match length 1 (conf 0.45): never accepted
+        v.lookup_calibrator.observe(np.full(K, 0.45), True, 0, K)
+    _certain(v.calibrator)  # drafts of confidence 1.0: accepted
+    for _ in range(400):  # drafts of confidence 0.15: never
+        v.calibrator.observe(np.full(K, 0.15), True, 0, K)
+    ids = ["look", "draft", "none"]
+    kinds = np.array([GREEDY, GREEDY, GREEDY])
+    caps = np.full(3, K)
+    look = _lookup([8, 0, 6])
+    look.conf[2, :6] = 0.45
+    conf = np.array([np.full(4, 0.15), np.ones(4), np.full(4, 0.15)])  # 4-row block
+    v.begin(ids, [0, 0, 0], None, 3)
+    plan = v.plan(kinds, caps)
+    assert plan.draft and not v.lookup_replaces_drafter(plan, kinds, look)
+    lengths = v.choose(ids, kinds, caps, conf, plan, look)
+    v.end(ids, drafted=True)
+    assert list(v.last_source[:2]) == [1, 0]  # LOOKUP, DRAFTER (the third: either)
+    assert lengths[0] == 8 and lengths[1] == 4 and lengths[2] == 0
+    v.calibrator = AcceptanceCalibrator(K)  # empty: to see where the next go
+    v.lookup_calibrator = AcceptanceCalibrator(K)
+    # vLLM verified 8 lookup drafts (3 accepted, the 4th rejected) and 4 of the
+    # drafter's (all accepted): 4 tested drafts to each calibrator.
+    v.begin(ids, [8, 4, 0], [5, 0, 0], 15)
+    assert v.lookup_calibrator.trials.sum() == 4 and v.lookup_calibrator.success.sum() == 3
+    assert v.calibrator.trials.sum() == 4 and v.calibrator.success.sum() == 4
+
+
+def test_sampled_requests_choose_the_source_from_draft_one_only():
+    """A sampled request may take the lookup only on what is known before the drafter's
+    first draw (lossless, dynamic.py): the first drafts' acceptances. A lookup whose
+    first draft is less likely than the drafter's is not taken, however long; a greedy
+    request with the same gains takes it (its choice may use everything)."""
+    cost = InjectedStepCost(step_s=0.02, token_s=0.0002, draft_s=0.002)
+    v = DynamicVerifier(K, cost)
+    for _ in range(400):  # lookup: draft 1 accepted 60 %, later drafts always
+        v.lookup_calibrator.observe(np.full(K, 0.85), True, K, K)
+        v.lookup_calibrator.observe(np.full(K, 0.85), False, K, K)
+    for _ in range(270):
+        v.lookup_calibrator.observe(np.full(K, 0.85), True, 0, K)
+        v.lookup_calibrator.observe(np.full(K, 0.85), False, 0, K)
+    for _ in range(400):  # drafter: draft 1 accepted 90 %, draft 2 never
+        for kind in (True, False):
+            v.calibrator.observe(np.full(K, 0.95), kind, 1, K)
+    for _ in range(45):
+        for kind in (True, False):
+            v.calibrator.observe(np.full(K, 0.95), kind, 0, K)
+    ids = ["g", "s"]
+    kinds = np.array([GREEDY, SAMPLED])
+    look = _lookup([K, K])
+    conf = np.full((2, 4), 0.95)
+    GL = v.lookup_gains(look, kinds == GREEDY)
+    alpha_d = v.calibrator.predict(conf, kinds == GREEDY)
+    assert GL[0, 0] < alpha_d[0, 0] and GL[0, :].sum() > alpha_d[0, 0] * 2
+    v.begin(ids, [0, 0], None, 2)
+    plan = v.plan(kinds, np.full(2, K))
+    v.choose(ids, kinds, np.full(2, K), conf, plan, look)
+    assert list(v.last_source) == [1, 0]

@@ -71,20 +71,33 @@ def test_pair_fits_and_is_reused(pair, capsys):
     assert (pair / "target" / "model.safetensors").stat().st_mtime_ns == stamp
 
 
-@pytest.mark.engine
-def test_dspine_on_smollm2_is_exact_and_accepts(engines, pair):
-    from engine_utils import dspine_spec
-    from vllm_dspine.serving.metrics import spec_decode_counters
+ENGINE_KW = dict(max_model_len=1024, max_num_seqs=4)
+
+
+def _code_chat(llm):
     from vllm import SamplingParams
 
     msgs = [[{"role": "user", "content": p}] for p in CODE_PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=96)
-    kw = dict(max_model_len=1024, max_num_seqs=4)
-    with engines.private(str(pair / "target"), None, **kw) as plain:
-        want = [list(o.outputs[0].token_ids)
-                for o in plain.chat(msgs, params, use_tqdm=False)]
+    return [list(o.outputs[0].token_ids) for o in llm.chat(msgs, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def plain_code_outputs(engines, pair):
+    """Plain vLLM's greedy answers to CODE_PROMPTS (an engine of its own, then shut down)."""
+    with engines.private(str(pair / "target"), None, **ENGINE_KW) as plain:
+        return _code_chat(plain)
+
+
+@pytest.mark.engine
+def test_dspine_on_smollm2_is_exact_and_accepts(engines, pair, plain_code_outputs):
+    from engine_utils import dspine_spec
+    from vllm_dspine.serving.metrics import spec_decode_counters
+
+    want = plain_code_outputs
+    kw = ENGINE_KW
     with engines.private(str(pair / "target"), dspine_spec(str(pair / "draft")), **kw) as llm:
-        got = [list(o.outputs[0].token_ids) for o in llm.chat(msgs, params, use_tqdm=False)]
+        got = _code_chat(llm)
         m = spec_decode_counters(llm)
     assert got == want
     drafts = m["vllm:spec_decode_num_drafts"]
@@ -92,4 +105,24 @@ def test_dspine_on_smollm2_is_exact_and_accepts(engines, pair):
     # A random drafter of this shape gets ~0.02 drafts accepted per step; the trained
     # one gets well over one on code (docs/smollm2-drafter.md). 1.5 leaves room for the
     # prompts here while failing on any integration that feeds the drafter wrong inputs.
+    assert tau >= 1.5, f"mean acceptance length {tau:.2f}"
+
+
+@pytest.mark.engine
+def test_dspine_with_lookup_on_smollm2_is_exact(engines, pair, plain_code_outputs):
+    """`dspine_lookup` on (docs/lookup.md): greedy output identical to plain decoding,
+    the drafts accepted (the lookup's and the drafter's)."""
+    from engine_utils import dspine_spec
+    from vllm_dspine.serving.metrics import spec_decode_counters
+
+    with engines.private(str(pair / "target"),
+                         dspine_spec(str(pair / "draft"), dspine_lookup=True),
+                         **ENGINE_KW) as llm:
+        got = _code_chat(llm)
+        m = spec_decode_counters(llm)
+    assert got == plain_code_outputs
+    drafts = m["vllm:spec_decode_num_drafts"]
+    tau = 1 + m["vllm:spec_decode_num_accepted_tokens"] / drafts
+    print(f"SmolLM2 with lookup: mean acceptance length {tau:.2f} over {drafts} "
+          f"verifications")
     assert tau >= 1.5, f"mean acceptance length {tau:.2f}"

@@ -14,7 +14,9 @@ step, so a reader sees totals that are at most one step old. Sections:
     commit          hybrid GDN targets: the replay commit after sampling (docs/hybrid.md)
 
 host overhead = step - target_forward - sampler - drafter (input preparation, metadata,
-bookkeeping). Also written: steps, peak resident memory of the process (`ru_maxrss`),
+bookkeeping). Counts (`count`): DSpine's request-steps whose verified drafts came from
+the drafter (`drafter_request_steps`) or from the prompt lookup (`lookup_request_steps`,
+docs/lookup.md) and their drafts (`drafter_drafts`, `lookup_drafts`). Also written: steps, peak resident memory of the process (`ru_maxrss`),
 and for the last abort the wall-clock time at which the scheduler had freed its KV
 blocks and the KV usage then (bench/e2e.py compares it with the time it asked).
 
@@ -42,6 +44,7 @@ class StepProfile:
         self.path = path
         self.seconds = dict.fromkeys(SECTIONS, 0.0)
         self.steps = 0
+        self.counts: dict[str, int] = {}
         self.abort_freed_at: float | None = None  # time.time() of the last abort's free
         self.kv_usage_after_abort: float | None = None
         self._sync = torch.cuda.is_available()
@@ -54,13 +57,16 @@ class StepProfile:
     def add(self, section: str, seconds: float) -> None:
         self.seconds[section] += seconds
 
+    def count(self, name: str, n: int) -> None:
+        self.counts[name] = self.counts.get(name, 0) + int(n)
+
     def aborted(self, kv_usage: float) -> None:
         self.abort_freed_at = time.time()
         self.kv_usage_after_abort = float(kv_usage)
         self.write()
 
     def write(self) -> None:
-        data = {"seconds": self.seconds, "steps": self.steps,
+        data = {"seconds": self.seconds, "steps": self.steps, "counts": self.counts,
                 "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 "abort_freed_at": self.abort_freed_at,
                 "kv_usage_after_abort": self.kv_usage_after_abort, "pid": os.getpid()}

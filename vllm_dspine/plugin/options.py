@@ -33,6 +33,16 @@ def _verify_cost_option(value):
     return {k: float(value[k]) for k in _COST_KEYS}
 
 
+def _lookup_n_option(key):
+    def check(value):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 16:
+            raise ValueError(
+                f"speculative_config['{key}'] = {value!r} is not an n-gram length; give "
+                f"an integer from 1 to 16 (the suffix length the prompt lookup matches)")
+        return value
+    return check
+
+
 # A value is the tuple of allowed values or a function that checks (and normalises) one.
 DSPINE_OPTIONS = {
     "dspine_retrieval": ("auto", "fp8", "bf16"),
@@ -40,6 +50,9 @@ DSPINE_OPTIONS = {
     "dspine_verify": ("dynamic", "fixed"),
     "dspine_verify_max": _verify_max_option,
     "dspine_verify_cost": _verify_cost_option,
+    "dspine_lookup": (True, False),
+    "dspine_lookup_min": _lookup_n_option("dspine_lookup_min"),
+    "dspine_lookup_max": _lookup_n_option("dspine_lookup_max"),
 }
 
 
@@ -56,6 +69,11 @@ def split_dspine_options(spec: dict) -> tuple[dict, dict]:
                 raise ValueError(
                     f"speculative_config['{key}'] = {value!r} is not one of {allowed}")
             options[key] = value
+    lo, hi = options.get("dspine_lookup_min", 2), options.get("dspine_lookup_max", 4)
+    if lo > hi:
+        raise ValueError(
+            f"speculative_config['dspine_lookup_min'] = {lo} is above "
+            f"'dspine_lookup_max' = {hi}; give min <= max (defaults 2 and 4)")
     if not spec.get("model"):
         raise ValueError(
             "speculative_config with method 'dspine' needs 'model': the DSpine draft "

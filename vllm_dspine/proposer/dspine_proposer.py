@@ -53,7 +53,8 @@ from vllm_dspine.kernels.tail import (SAMPLING_EPS, LastWriteInputs, TailTables,
                                       tail_score_tables)
 from vllm_dspine.proposer.calibration import draft_confidence
 from vllm_dspine.proposer.context_log import ContextLog
-from vllm_dspine.proposer.dynamic import AT_CAP, GREEDY, SAMPLED, DynamicVerifier
+from vllm_dspine.proposer.dynamic import AT_CAP, GREEDY, LOOKUP, SAMPLED, DynamicVerifier
+from vllm_dspine.proposer.lookup import LookupBatch, PromptLookup, lookup_sparse_q
 from vllm_dspine.proposer.retrieval_head import RetrievalHead
 from vllm_dspine.proposer.sparse_q import pack_sparse_q
 from vllm_dspine.proposer.step_cost import InjectedStepCost
@@ -71,6 +72,18 @@ def min_p_of_batch(sampling_metadata: SamplingMetadata, num_reqs: int
             min_p = proc.min_p_cpu_tensor[:num_reqs].float()
             return min_p if bool((min_p > 0).any()) else None
     return None
+
+
+def _count_sources(lengths: np.ndarray, source: np.ndarray) -> None:
+    """Request-steps and drafts verified per source, into the step profile (when on)."""
+    prof = profile()
+    if prof is None:
+        return
+    lengths = np.asarray(lengths)
+    for name, mask in (("lookup", source == LOOKUP), ("drafter", source != LOOKUP)):
+        sel = mask & (lengths > 0)
+        prof.count(f"{name}_request_steps", int(sel.sum()))
+        prof.count(f"{name}_drafts", int(lengths[sel].sum()))
 
 
 class DSpineProposer(DFlashProposer):
@@ -107,6 +120,12 @@ class DSpineProposer(DFlashProposer):
             self._verifier = DynamicVerifier(
                 K, InjectedStepCost.from_option(cost) if cost else None,
                 max_batch_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
+        # Prompt lookup as a second source of drafts (docs/lookup.md): with the
+        # dynamic policy only, which chooses between it and the drafter.
+        self._lookup: PromptLookup | None = None
+        if self._verifier is not None and self.options.get("dspine_lookup", False):
+            self._lookup = PromptLookup(self.options.get("dspine_lookup_min", 2),
+                                        self.options.get("dspine_lookup_max", 4), K)
         # The drafted block's confidences [num_reqs, K] (numpy) for the policy, from
         # `_sample_draft_tokens` to `_draft_rows`, across vLLM's `propose` (which
         # returns only the drafts); `_draft_rows` takes it.
@@ -293,19 +312,80 @@ class DSpineProposer(DFlashProposer):
         v.begin(req_ids, verified, rejected, int(target_token_ids.shape[0]))
         kinds, caps = self._kinds_and_caps(states, step_cap, verified, rejected)
         plan = v.plan(kinds, caps)
-        if not plan.draft:
+        lookup = None
+        if self._lookup is not None and v.ready:
+            lookup = self._lookup_of_batch(num_reqs, kinds, plan.caps, verified, rejected,
+                                           next_token_ids)
+        if not plan.draft or v.lookup_replaces_drafter(plan, kinds, lookup):
             self._store_context_only(inputs)
-            v.context_only(plan.caps)
+            lengths = v.choose_lookup_only(req_ids, kinds, plan.caps, lookup)
             v.end(req_ids, drafted=False)
-            return [[] for _ in range(num_reqs)]
+            _count_sources(lengths, np.full(num_reqs, LOOKUP))
+            if not lengths.any():
+                return [[] for _ in range(num_reqs)]
+            self._last_sparse_q = self._with_lookup_q(None, lookup, lengths > 0)
+            return [row[:int(n)] for row, n in zip(lookup.drafts.tolist(), lengths)]
         self._own_stream = plan.caps > 0
         try:
             drafts, confidence = self._draft_rows(max(1, min(plan.rows, step_cap)), inputs)
         finally:
             self._own_stream = None
-        lengths = v.choose(req_ids, kinds, caps, confidence, plan)
+        lengths = v.choose(req_ids, kinds, caps, confidence, plan, lookup)
         v.end(req_ids, drafted=True)
-        return [row[:int(n)] for row, n in zip(drafts.tolist(), lengths)]
+        _count_sources(lengths, v.last_source)
+        from_lookup = (v.last_source == LOOKUP) & (lengths > 0)
+        if from_lookup.any():
+            self._last_sparse_q = self._with_lookup_q(self._last_sparse_q, lookup, from_lookup)
+        return [(lk[:int(n)] if use else row[:int(n)]) for row, lk, n, use in zip(
+            drafts.tolist(), lookup.drafts.tolist() if lookup is not None
+            else [None] * num_reqs, lengths, from_lookup)]
+
+    # ---------------------------------------------------------------- lookup
+    def _lookup_of_batch(self, num_reqs: int, kinds: np.ndarray, caps: np.ndarray,
+                         verified: list[int], rejected: list[int] | None,
+                         next_token_ids: torch.Tensor) -> LookupBatch:
+        """The lookup's proposal per request (docs/lookup.md) from its context after
+        this step: vLLM's `token_ids_cpu` row holds the committed tokens
+        (`num_tokens_no_spec`) and then the drafts this step verified; the accepted ones
+        and the correction / bonus token (`next_token_ids`) extend the context. The
+        drafter runs before vLLM's bookkeeping appends them, so the row is read here.
+        Requests with their own seed and those without a cap get none."""
+        batch = self._runner.input_batch
+        tokens, committed = batch.token_ids_cpu, batch.num_tokens_no_spec
+        nxt = next_token_ids[:num_reqs].cpu().numpy()
+        contexts: list[np.ndarray | None] = []
+        for i in range(num_reqs):
+            if caps[i] <= 0 or kinds[i] == AT_CAP:
+                contexts.append(None)
+                continue
+            accepted = 0 if rejected is None else max(int(verified[i]) - int(rejected[i]), 0)
+            end = int(committed[i]) + accepted
+            if end >= tokens.shape[1]:  # at the model's length: nothing to propose
+                contexts.append(None)
+                continue
+            ctx = np.empty(end + 1, dtype=np.int32)
+            ctx[:end] = tokens[i, :end]
+            ctx[end] = nxt[i]
+            contexts.append(ctx)
+        return self._lookup.propose(contexts, caps)
+
+    def _with_lookup_q(self, packed: torch.Tensor | None, lookup: LookupBatch,
+                       rows: np.ndarray) -> torch.Tensor:
+        """The packed sparse q [R, K, 2k] with the requests `rows` [R] bool holding
+        the lookup's q (1 at each drafted token); the drafter's rows of a shorter block
+        padded with q = 0 (never read: a drafter request verifies no more drafts than
+        its block has)."""
+        K, k = self.dspine.num_proposals, self.dspine.head_topk
+        R = lookup.drafts.shape[0]
+        out = torch.zeros((R, K, 2 * k), dtype=torch.float64, device=self.device)
+        out[:, :, :k] = -1
+        if packed is not None:
+            out[:, :packed.shape[1]] = packed.to(out.device)
+        sel = torch.from_numpy(np.nonzero(rows)[0]).to(self.device)
+        ids, probs = lookup_sparse_q(
+            torch.from_numpy(lookup.drafts).to(self.device)[sel], k)
+        out[sel] = pack_sparse_q(ids, probs).to(out.dtype)
+        return out
 
     def _draft_rows(self, n: int, inputs: dict) -> tuple[torch.Tensor, np.ndarray | None]:
         """vLLM's DFlash `propose` for a block of anchor + n drafts per request (its

@@ -55,6 +55,7 @@ import numpy as np
 from vllm.logger import init_logger
 
 from vllm_dspine.proposer.calibration import AcceptanceCalibrator
+from vllm_dspine.proposer.lookup import LookupBatch
 from vllm_dspine.proposer.step_cost import EWLinear, InjectedStepCost, MeasuredStepCost
 
 # Under vLLM's "vllm" logger, whose handlers vLLM configures in every process (a
@@ -88,7 +89,19 @@ PROBE_ROWS = 4  # drafts of a probe while the drafter is skipped
 SEEDED_START = 4  # a seeded request's first verified length
 SEEDED_BACKOFF = (4, 64)  # steps a seeded request waits before re-probing (doubling)
 PROBES_PER_REQUESTS = 16  # one probed request per this many requests
+# First drafts the drafter must have had verified (per kind) before the lookup may
+# replace it for a whole step (`lookup_replaces_drafter`).
+MIN_FIRST_TRIALS = 20
 LOG_EVERY_S = 30.0
+# Where a request's drafts come from (`dspine_lookup`, docs/lookup.md).
+DRAFTER, LOOKUP = 0, 1
+
+
+def _pad(a: np.ndarray, width: int) -> np.ndarray:
+    """[R, w] -> [R, width] (a copy), zeros past w (w <= width)."""
+    out = np.zeros((a.shape[0], width), dtype=a.dtype)
+    out[:, :a.shape[1]] = a[:, :width]
+    return out
 
 
 class SeededLengthRule:
@@ -164,9 +177,11 @@ def choose_lengths(
     draft_s: float,  # the drafter's time a step
     context_s: float,  # the context-only drafter path (no block) a step
     max_tokens: int,  # the step's token budget
+    live: np.ndarray | None = None,  # [R] bool: requests committing a token this step
+    #                                  (default caps > 0; a request may be live at cap 0)
 ) -> Choice:
     R, K = G.shape
-    live = caps > 0
+    live = caps > 0 if live is None else live
     lengths = np.zeros(R, dtype=np.int64)
     tokens0 = float(live.sum())  # each request commits its bonus/correction token
     n0 = int(live.sum())
@@ -316,14 +331,18 @@ class DynamicVerifier:
         self.draft_cost = EWLinear()
         self.context_cost = EWLinear()
         self.calibrator = AcceptanceCalibrator(num_proposals)
+        # The lookup's acceptance, calibrated apart from the drafter's (docs/lookup.md).
+        self.lookup_calibrator = AcceptanceCalibrator(num_proposals)
+        self.last_source = np.zeros(0, dtype=np.int64)  # `choose`'s sources, per request
         self.max_batch_tokens = max_batch_tokens
         self.clock = clock
         self.threshold: float | None = None
         self.steps = 0
         self.skip = DrafterSkip()
         # req id -> (confidences, greedy, accepted drafts the policy expected or None
-        # before the cost model was ready) of the block it verified last step.
-        self._last: dict[str, tuple[np.ndarray, bool, float | None]] = {}
+        # before the cost model was ready, DRAFTER / LOOKUP) of the drafts it verified
+        # last step.
+        self._last: dict[str, tuple[np.ndarray, bool, float | None, int]] = {}
         self._prev_ids: set[str] = set()
         self._t_begin: float | None = None
         self._t_end: float | None = None
@@ -341,6 +360,8 @@ class DynamicVerifier:
         self.expected_accepted = 0.0
         self.observed_accepted = 0
         self.steps_context = 0
+        self.steps_lookup_only = 0  # steps that verified lookup drafts without the drafter
+        self.lookup_request_steps = 0  # request-steps whose drafts came from the lookup
         self._last_log = clock()
 
     # -------------------------------------------------------------- bookkeeping
@@ -368,20 +389,21 @@ class DynamicVerifier:
             rid: (int(n), max(int(n) - int(r), 0))
             for rid, n, r in zip(req_ids, verified, rejected) if n > 0}
         if rejected is not None and self._last:
-            seen = []
+            seen: tuple[list, list] = ([], [])  # DRAFTER, LOOKUP
             for i, rid in enumerate(req_ids):
                 last = self._last.get(rid)
                 n = int(verified[i])
                 if last is None or n <= 0:
                     continue
-                conf, greedy, expected = last
+                conf, greedy, expected, source = last
                 accepted = max(n - int(rejected[i]), 0)
                 n = min(n, len(conf))
-                seen.append((conf, greedy, min(accepted, n), n))
+                seen[source].append((conf, greedy, min(accepted, n), n))
                 if expected is not None:
                     self.expected_accepted += expected
                     self.observed_accepted += accepted
-            self.calibrator.observe_many(seen)
+            self.calibrator.observe_many(seen[DRAFTER])
+            self.lookup_calibrator.observe_many(seen[LOOKUP])
         self._t_begin = now
 
     def plan(self, kinds: np.ndarray, caps: np.ndarray) -> Plan:
@@ -428,8 +450,11 @@ class DynamicVerifier:
         return max(PROBE_MIN, math.ceil(max(extra, 0.0) / (PROBE_BUDGET * plain)))
 
     def choose(self, req_ids: list[str], kinds: np.ndarray, caps: np.ndarray,
-               conf: np.ndarray, plan: Plan) -> np.ndarray:
-        """conf [R, K] from `draft_confidence`; returns the verified length per request."""
+               conf: np.ndarray, plan: Plan, lookup: LookupBatch | None = None
+               ) -> np.ndarray:
+        """conf [R, rows] from `draft_confidence`; lookup: this step's lookup proposals
+        (`dspine_lookup`; None without). Returns the verified length per request; where
+        each request's drafts come from is then `last_source` [R] (DRAFTER / LOOKUP)."""
         greedy = kinds == GREEDY  # also the kind of what a probe of it observes
         policy = kinds != AT_CAP  # lengths the policy chooses (not seeded, not probed)
         kinds = kinds.copy()
@@ -438,7 +463,11 @@ class DynamicVerifier:
             policy[i] = False
         rows = self._rows = conf.shape[1]  # drafts this block computed
         # plan.caps: the caller's caps after the seeded rule (never above them).
-        caps = np.minimum(caps if plan.caps is None else plan.caps, rows)
+        caps_all = np.asarray(caps if plan.caps is None else plan.caps)
+        caps = np.minimum(caps_all, rows)
+        R = len(req_ids)
+        source = np.full(R, DRAFTER, dtype=np.int64)
+        used_conf = conf
         if not self.ready:
             cap = WARMUP_CAPS[self._warm % len(WARMUP_CAPS)]
             self._warm += 1
@@ -447,26 +476,145 @@ class DynamicVerifier:
         else:
             alpha = np.clip(self.calibrator.predict(conf, greedy), 0.0, 1.0)
             G = np.cumprod(alpha, axis=1)
-            R = len(req_ids)
+            draft_s = self.draft_seconds(R * (min(self.row_budget, self.K) + 1))
+            context_s = self.context_seconds(R)
+            live = caps_all > 0
+            rho_without = None  # the best rate of this step without the drafter
+            if lookup is not None and lookup.any:
+                GL = self.lookup_gains(lookup, greedy)
+                capsL = np.where(policy, np.minimum(caps_all, lookup.lengths), 0)
+                use = self._prefer_lookup(G, caps, GL, capsL, greedy, policy)
+                if use.any():
+                    width = max(rows, GL.shape[1])
+                    G = _pad(G, width)
+                    G[use] = GL[use, :width]
+                    used_conf = _pad(conf, width)
+                    used_conf[use] = lookup.conf[use, :width]
+                    caps = caps.copy()
+                    caps[use] = capsL[use]
+                    source[use] = LOOKUP
+                rho_without = choose_lengths(
+                    GL, capsL, np.where(policy, kinds, AT_CAP), self.threshold,
+                    self.step_cost.step_seconds, context_s, context_s,
+                    self.max_batch_tokens, live=live).rho_draft
             choice = choose_lengths(G, caps, kinds, self.threshold,
-                                    self.step_cost.step_seconds,
-                                    self.draft_seconds(R * (min(self.row_budget, self.K) + 1)),
-                                    self.context_seconds(R),
-                                    self.max_batch_tokens)
+                                    self.step_cost.step_seconds, draft_s, context_s,
+                                    self.max_batch_tokens, live=live)
             lengths = choice.lengths
             expected = np.where(np.arange(G.shape[1]) < lengths[:, None], G, 0.0).sum(1)
             self.threshold = choice.threshold
-            pays = choice.rho_draft > choice.rho_plain
-            self._update_row_budget(lengths[policy & (caps > 0)], rows)
+            # Drafting pays if it beats plain decoding and, with the lookup, the step
+            # the lookup alone would make without the drafter.
+            rho_other = max(choice.rho_plain, rho_without or 0.0)
+            pays = choice.rho_draft > rho_other
+            self._update_row_budget(lengths[policy & (caps > 0) & (source == DRAFTER)],
+                                    rows)
             self.skip.record(req_ids, pays,
-                             shortfall=1.0 - choice.rho_draft / max(choice.rho_plain, 1e-12),
+                             shortfall=1.0 - choice.rho_draft / max(rho_other, 1e-12),
                              calibrated=self.calibrator.trials.sum() >= CALIBRATED_TRIALS)
-        self._last = {rid: (conf[i], bool(greedy[i]),
-                            None if expected is None else float(expected[i]))
-                      for i, rid in enumerate(req_ids) if lengths[i] > 0}
-        np.add.at(self.hist, lengths[caps > 0], 1)
+        self._remember(req_ids, used_conf, greedy, expected, lengths, source)
+        np.add.at(self.hist, lengths[caps_all > 0], 1)
         self.steps_drafted += 1
+        self.lookup_request_steps += int(((source == LOOKUP) & (lengths > 0)).sum())
+        self.last_source = source
         return lengths
+
+    # --------------------------------------------------------------- lookup
+    def lookup_gains(self, lookup: LookupBatch, greedy: np.ndarray) -> np.ndarray:
+        """G of the lookup's drafts [R, K]: the lookup calibrator's acceptance of each
+        draft, cumulated; 0 past each request's lookup length."""
+        alpha = np.clip(self.lookup_calibrator.predict(lookup.conf, greedy), 0.0, 1.0)
+        within = np.arange(lookup.conf.shape[1])[None, :] < lookup.lengths[:, None]
+        return np.where(within, np.cumprod(alpha, axis=1), 0.0)
+
+    def _prefer_lookup(self, G: np.ndarray, caps: np.ndarray, GL: np.ndarray,
+                       capsL: np.ndarray, greedy: np.ndarray, policy: np.ndarray
+                       ) -> np.ndarray:
+        """[R] bool: the requests whose drafts this step are the lookup's.
+
+        Greedy requests (any choice is lossless): the source whose drafts are worth
+        more above the marginal gain of the last step's optimum (lambda): sum over t of
+        max(G[t] - lambda, 0) within the caps. Sampled requests: only what is known
+        before the drafter's first draw may decide (otherwise the drafts verified would
+        no longer be distributed as their q, dynamic.py's docstring): the lookup's
+        acceptance of draft 1 against the drafter's (its confidence there is the peak
+        of q_1(. | anchor), drawn from after)."""
+        lam = self.threshold or 0.0
+        K = max(G.shape[1], GL.shape[1])
+        t = np.arange(K)[None, :]
+        d = np.where(t < caps[:, None], np.maximum(_pad(G, K) - lam, 0.0), 0.0).sum(1)
+        l_ = np.where(t < capsL[:, None], np.maximum(_pad(GL, K) - lam, 0.0), 0.0).sum(1)
+        has = capsL > 0
+        g1 = np.where(caps > 0, G[:, 0], 0.0)
+        return policy & has & np.where(greedy, l_ > d, GL[:, 0] >= g1)
+
+    def lookup_replaces_drafter(self, plan: Plan, kinds: np.ndarray,
+                                lookup: LookupBatch | None) -> bool:
+        """Whether this step, which the plan would draft, skips the drafter for the
+        lookup alone: every request whose length the policy chooses has a lookup
+        continuation whose first draft is accepted at least as often as the drafter's
+        first drafts have been (per kind, as observed), and no request needs the
+        block (a probe, a seeded request). The drafter's own drafts are not known
+        before it runs; its observed acceptance is what the policy has."""
+        if lookup is None or not lookup.any or not self.ready or not plan.draft:
+            return False
+        caps = plan.caps
+        live = caps > 0
+        if plan.probe or (live & (kinds == AT_CAP)).any():
+            return False
+        greedy = kinds == GREEDY
+        if not (lookup.lengths[live] > 0).all():
+            return False
+        a1 = np.clip(self.lookup_calibrator.predict(lookup.conf[:, :1], greedy), 0.0, 1.0)[:, 0]
+        ok = True
+        for kind, mask in ((0, greedy), (1, ~greedy)):
+            sel = live & mask
+            if not sel.any():
+                continue
+            n = float(self.calibrator.trials[kind, 0].sum())
+            if n < MIN_FIRST_TRIALS:
+                return False  # the drafter's acceptance not known yet: let it draft
+            drafter_a1 = float(self.calibrator.success[kind, 0].sum()) / n
+            ok &= bool((a1[sel] >= drafter_a1).all())
+        return ok
+
+    def choose_lookup_only(self, req_ids: list[str], kinds: np.ndarray, caps: np.ndarray,
+                           lookup: LookupBatch | None) -> np.ndarray:
+        """A step without the drafter (skipped, or replaced by the lookup): the lookup's
+        drafts where they pay, by the same rule as `choose`, the step's drafter time
+        being the context-only write. Returns the lengths [R] (all 0: a plain step)."""
+        caps = np.asarray(caps)
+        R = len(req_ids)
+        lengths = np.zeros(R, dtype=np.int64)
+        live = caps > 0
+        greedy = kinds == GREEDY
+        policy = kinds != AT_CAP
+        if lookup is not None and lookup.any and self.ready:
+            GL = self.lookup_gains(lookup, greedy)
+            capsL = np.where(policy, np.minimum(caps, lookup.lengths), 0)
+            context_s = self.context_seconds(R)
+            choice = choose_lengths(GL, capsL, np.where(policy, kinds, AT_CAP),
+                                    self.threshold, self.step_cost.step_seconds,
+                                    context_s, context_s, self.max_batch_tokens, live=live)
+            lengths = choice.lengths
+            self.threshold = choice.threshold
+            expected = np.where(np.arange(GL.shape[1]) < lengths[:, None], GL, 0.0).sum(1)
+            self._remember(req_ids, lookup.conf, greedy, expected, lengths,
+                           np.full(R, LOOKUP, dtype=np.int64))
+        else:
+            self._last = {}
+        np.add.at(self.hist, lengths[live], 1)
+        self.steps_context += 1
+        if (lengths > 0).any():
+            self.steps_lookup_only += 1
+            self.lookup_request_steps += int((lengths > 0).sum())
+        return lengths
+
+    def _remember(self, req_ids, conf, greedy, expected, lengths, source) -> None:
+        self._last = {rid: (conf[i], bool(greedy[i]),
+                            None if expected is None else float(expected[i]),
+                            int(source[i]))
+                      for i, rid in enumerate(req_ids) if lengths[i] > 0}
 
     def _update_row_budget(self, chosen: np.ndarray, rows: int) -> None:
         """Rows for the next blocks: doubled when the policy used every row it had
@@ -509,6 +657,8 @@ class DynamicVerifier:
             "expected_accepted": round(self.expected_accepted, 1),
             "observed_accepted": self.observed_accepted,
             "steps_context_only": self.steps_context,
+            "steps_lookup_only": self.steps_lookup_only,
+            "lookup_request_steps": self.lookup_request_steps,
             "skipping": self.skip.skipping,
             "threshold": self.threshold,
             "cost": (self.step_cost.describe() if isinstance(self.step_cost,
@@ -523,14 +673,17 @@ class DynamicVerifier:
             logger.info(
                 "DSpine dynamic verification: %d request-steps, %.2f drafts verified per "
                 "request-step (length:count %s); drafter ran in %d steps, context only "
-                "in %d%s; drafts accepted %d (the policy expected %.1f); sampled "
+                "in %d%s (%d of them verifying lookup drafts; %d request-steps verified "
+                "lookup drafts); drafts accepted %d (the policy expected %.1f); sampled "
                 "threshold %s; step cost %s", s["request_steps"],
                 s["mean_verified"], hist, s["steps_drafted"], s["steps_context_only"],
                 " (skipping the drafter, probing)" if s["skipping"] else "",
+                s["steps_lookup_only"], s["lookup_request_steps"],
                 s["observed_accepted"], s["expected_accepted"],
                 "none yet" if s["threshold"] is None else f"{s['threshold']:.3f}",
                 s["cost"])
         self.hist[:] = 0
         self.steps_drafted = self.steps_context = 0
+        self.steps_lookup_only = self.lookup_request_steps = 0
         self.expected_accepted, self.observed_accepted = 0.0, 0
         self._last_log = self.clock() if now is None else now

@@ -118,6 +118,12 @@ def check_verification_options(spec_config, cfg: DSpineConfig, options: dict) ->
                 f"(docs/measured.md). Remove the setting (such targets verify all {K})")
         options["dspine_verify"] = "fixed"
     options.setdefault("dspine_verify", "dynamic")
+    if options.get("dspine_lookup") and options["dspine_verify"] != "dynamic":
+        raise ValueError(
+            "speculative_config['dspine_lookup'] = true needs dspine_verify 'dynamic': "
+            "the dynamic policy chooses per request between the lookup's drafts and the "
+            "drafter's (docs/lookup.md); with 'fixed' every request verifies the "
+            "drafter's block. Remove one of the two keys")
     return options
 
 

@@ -1,0 +1,132 @@
+"""Prompt lookup inside the DSpine proposal (`dspine_lookup`, docs/lookup.md) through
+vLLM on the distilled tiny pair: greedy output identical to plain decoding, and sampled
+output with the target's exact law, while some requests verify the lookup's drafts
+(q = 1 at the drafted token) and others the drafter's, in the same steps.
+
+One engine (dynamic policy, the injected cost model of tests/test_dynamic_engine.py,
+lookup on with 1-token matches so that nearly every step has a lookup continuation),
+shared by both tests through the session registry; its step profile
+(vllm_dspine/step_profile.py) counts the request-steps whose drafts came from each
+source, so the tests see that the lookup was used."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine_utils import dspine_spec, prompts_of_lengths
+from exact_law import Case, check_follows, exact_marginals, load_float64_target
+from vllm_dspine import step_profile
+from vllm_dspine.serving.metrics import spec_decode_counters
+
+pytestmark = pytest.mark.engine
+
+# tests/test_dynamic_engine.py's: the policy verifies some drafts of some requests.
+INJECTED_COST = {"step_s": 0.02, "token_s": 0.00002, "draft_s": 0.005}
+LOOKUP = dict(dspine_lookup=True, dspine_lookup_min=1, dspine_lookup_max=4)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_trained_pair):
+    return tiny_trained_pair  # conftest.py: written once per session
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("lookup_profile") / "profile.json")
+
+
+@pytest.fixture
+def lookup_llm(engines, pair, profile_path):
+    # The engine core reads the profile path from its environment when it starts.
+    os.environ[step_profile.ENV] = profile_path
+    try:
+        return engines.get(pair.target_dir, dspine_spec(
+            pair.draft_dir, dspine_verify_cost=INJECTED_COST, **LOOKUP))
+    finally:
+        os.environ.pop(step_profile.ENV, None)
+
+
+def _counts(path: str) -> dict:
+    rec = step_profile.read(path) or {}
+    return dict(rec.get("counts") or {})
+
+
+def _delta(a: dict, b: dict) -> dict:
+    return {k: a.get(k, 0) - b.get(k, 0) for k in set(a) | set(b)}
+
+
+def test_greedy_identical_with_lookup(plain_llm, lookup_llm, profile_path):
+    """24 prompts of 3..400 tokens (repetitive text: the lookup finds continuations),
+    16..64 new tokens each: identical to plain decoding, with both sources verified."""
+    from vllm import SamplingParams
+
+    prompts = prompts_of_lengths(24)
+    params = [SamplingParams(temperature=0.0, max_tokens=16 + (13 * i) % 49, ignore_eos=True)
+              for i in range(len(prompts))]
+    plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params)]
+    c0, m0 = _counts(profile_path), spec_decode_counters(lookup_llm)
+    spec = [o.outputs[0].token_ids for o in lookup_llm.generate(prompts, params)]
+    c, m1 = _delta(_counts(profile_path), c0), spec_decode_counters(lookup_llm)
+    for i, (a, b) in enumerate(zip(plain, spec)):
+        assert list(a) == list(b), f"prompt {i} ({len(prompts[i])} tokens) differs"
+    accepted = m1["vllm:spec_decode_num_accepted_tokens"] - m0.get(
+        "vllm:spec_decode_num_accepted_tokens", 0)
+    print(f"greedy with lookup: sources {c}; drafts accepted {accepted}")
+    assert c.get("lookup_request_steps", 0) > 0 and c.get("lookup_drafts", 0) > 0, c
+    assert accepted > 0
+
+
+# The prompt holds "fghijklmnop" before the planted habit's "abcdefg": after the habit's
+# "h" the lookup proposes "ijklmnop", which the target mostly continues with.
+LOOKUP_CASE = Case("lookup", temperature=0.35, prompt=tuple(b"fghijklmnopabcdefg"))
+# Default tier: 3,000 samples (the chi-square detects TV 0.045-0.053 at power 0.9 for
+# df 2-9, asserted <= 0.06); full tier 12,000 (asserted <= 0.03).
+FAST_SAMPLES = int(os.environ.get("DSPINE_LOOKUP_SAMPLES_FAST", "3000"))
+FULL_SAMPLES = int(os.environ.get("DSPINE_LOOKUP_SAMPLES", "12000"))
+
+
+@pytest.fixture(scope="module")
+def lookup_law(pair):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return exact_marginals(load_float64_target(pair.target_dir), LOOKUP_CASE, tokens=4)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _sampled_follows_the_law(llm, law, profile_path, n: int, asserted_tv: float) -> None:
+    from vllm import TokensPrompt
+
+    c0, m0 = _counts(profile_path), spec_decode_counters(llm)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=list(LOOKUP_CASE.prompt))] * n,
+                        LOOKUP_CASE.sampling_params(max_tokens=6), use_tqdm=False)
+    spec = torch.tensor([list(o.outputs[0].token_ids) for o in outs])  # [n, 6]
+    c, m1 = _delta(_counts(profile_path), c0), spec_decode_counters(llm)
+    drafts = m1["vllm:spec_decode_num_drafts"] - m0.get("vllm:spec_decode_num_drafts", 0)
+    accepted = m1["vllm:spec_decode_num_accepted_tokens"] - m0.get(
+        "vllm:spec_decode_num_accepted_tokens", 0)
+    print(f"sampled T={LOOKUP_CASE.temperature} with lookup: sources {c}; {drafts} "
+          f"verifications, {accepted} drafts accepted")
+    # Both sources verified, in a good number of request-steps each.
+    assert c.get("lookup_request_steps", 0) > n // 10, c
+    assert accepted > n // 10
+    assert spec.shape == (n, 6)
+    check_follows("lookup", spec, law, (1, 2, 3), asserted_tv=asserted_tv)
+
+
+def test_sampled_distribution_is_exact_with_lookup(lookup_llm, lookup_law, profile_path):
+    """Tokens 2-4 of max_tokens 6 at T 0.35 follow the exact law (tests/exact_law.py;
+    p > 1e-3 per position, no token of exact probability 0) with the lookup's drafts
+    verified at q = 1: FAST_SAMPLES requests."""
+    _sampled_follows_the_law(lookup_llm, lookup_law, profile_path, FAST_SAMPLES, 0.06)
+
+
+@pytest.mark.full
+def test_sampled_distribution_is_exact_with_lookup_full(lookup_llm, lookup_law,
+                                                        profile_path):
+    """The same at FULL_SAMPLES (detects TV ~0.025 at power 0.9)."""
+    _sampled_follows_the_law(lookup_llm, lookup_law, profile_path, FULL_SAMPLES, 0.03)
