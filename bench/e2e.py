@@ -5,7 +5,8 @@ Methods: plain (no speculation), ngram (vLLM's), dflash (vLLM's own method servi
 no-bridge ablation drafter), dspine-notail (DSpine drafter, argmax / per-row sampling of
 the continuous logits), dspine-nobridge (the no-bridge drafter with DSpine's tail),
 dspine (fixed 15-draft verification), dspine-dynamic (dynamic verification,
-docs/dynamic-verification.md). Workloads: HumanEval prompts (test data, chat template
+docs/dynamic-verification.md), dspine-lookup (dynamic verification with the prompt lookup
+as a second source of drafts, docs/lookup.md) and its no-lookup twin dspine-nolookup. Workloads: HumanEval prompts (test data, chat template
 applied) and a chat set (cycled when a concurrency needs more prompts than it has).
 Prefix caching is off unless `--prefix-caching`: the cycled prompts would hit the cache,
 and with a draft model vLLM drops the last matched block (128 tokens on CPU), so plain
@@ -106,6 +107,10 @@ def main() -> None:
     ap.add_argument("--fixed-rounds", type=int, default=0, metavar="N",
                     help="with --interleave: the methods that verify all 15 drafts run in "
                     "the first N rounds of each setting only (0: every round)")
+    ap.add_argument("--no-abort-probe", action="store_true",
+                    help="skip the abort probe when an engine closes (8 requests aborted, "
+                    "the time to free their KV blocks): on a slow machine it takes minutes "
+                    "per engine")
     ap.add_argument("--json", default=None)
     ap.add_argument("--doc", default=str(DOC))
     ap.add_argument("--img", default=str(IMG), help="folder of the PNG plots")
@@ -142,12 +147,14 @@ def main() -> None:
         rows = run_interleaved(method_concs, args.pair, workloads, samplings,
                                args.max_tokens, args.interleave, log, args.prompts_c1,
                                prefix_caching=args.prefix_caching,
-                               fixed_rounds=args.fixed_rounds)
+                               fixed_rounds=args.fixed_rounds,
+                               abort_probe=not args.no_abort_probe)
     else:
         for m, cm in method_concs.items():
             log(f"starting {m} (concurrency {','.join(map(str, cm))}) ...")
             rows.extend(run_method(m, args.pair, workloads, samplings, cm, args.max_tokens,
-                                   log, args.prompts_c1, prefix_caching=args.prefix_caching))
+                                   log, args.prompts_c1, prefix_caching=args.prefix_caching,
+                                   abort_probe=not args.no_abort_probe))
     import torch
 
     cmd = "python bench/e2e.py " + " ".join(sys.argv[1:])
@@ -180,9 +187,8 @@ def main() -> None:
                + (f"; {', '.join(FIXED_METHODS)} in the first {args.fixed_rounds} only"
                   if args.fixed_rounds else "")
                + "); tok/s is over all rounds, x plain "
-               f"the median of the per-round ratios (each round's in brackets); the "
-               f"acceptance columns only for the last method listed (vLLM's metrics "
-               f"registry keeps one engine per process). "
+               f"the median of the per-round ratios (each round's in brackets); "
+               f"acceptance from each engine's own counters. "
                if args.interleave else "One method after the other. ")
             + f"Wall {time.time() - t0:.0f} s.\n\n"
             + "".join(f"![{pathlib.Path(p).stem}]({r})\n" for p, r in zip(pngs, rel)))

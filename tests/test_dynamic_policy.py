@@ -619,6 +619,7 @@ def test_lookup_only_step_is_costed_without_the_drafter():
     v = DynamicVerifier(K, cost)
     _lookup_certain(v.lookup_calibrator)
     _drafter_poor(v.calibrator)
+    v.drafter_value = 0.0  # its drafts have been worth nothing where it was chosen
     ids, kinds, caps = ["a"], np.array([GREEDY]), np.array([K])
     look = _lookup([10])
     G = v.lookup_gains(look, kinds == GREEDY)
@@ -642,6 +643,7 @@ def test_lookup_only_step_is_costed_without_the_drafter():
     v = DynamicVerifier(K, None, clock=clock)
     _lookup_certain(v.lookup_calibrator)
     _drafter_poor(v.calibrator)
+    v.drafter_value = 0.0
     # Make the cost model ready (two operating points, a drafter time).
     for n in (1, 4, 1, 4):
         clock.t += 0.02 + 0.001 * n
@@ -734,3 +736,30 @@ def test_sampled_requests_choose_the_source_from_draft_one_only():
     plan = v.plan(kinds, np.full(2, K))
     v.choose(ids, kinds, np.full(2, K), conf, plan, look)
     assert list(v.last_source) == [1, 0]
+
+
+def test_lookup_replaces_the_drafter_where_the_drafter_is_worth_less():
+    """A whole step skips the drafter for the lookup when, with the drafter's value per
+    request as observed (`drafter_value`), the step is estimated faster without it: not
+    before that value is known, not when the drafter is cheap and worth more than the
+    lookup's short continuation, and not while some request has no continuation and
+    the drafter's value pays its time."""
+    cost = InjectedStepCost(step_s=0.1, token_s=0.001, draft_s=0.005)
+    v = DynamicVerifier(K, cost)
+    for _ in range(100):  # lookup drafts of match length 2: half accepted
+        v.lookup_calibrator.observe(np.full(K, 0.55), True, 1, K)
+        v.lookup_calibrator.observe(np.full(K, 0.55), True, 0, K)
+    ids, kinds, caps = ["a", "b"], np.array([GREEDY, GREEDY]), np.full(2, K)
+    v.begin(ids, [0, 0], None, 2)
+    plan = v.plan(kinds, caps)
+    short, none_for_b = _lookup([3, 3], conf=0.55), _lookup([3, 0], conf=0.55)
+    assert not v.lookup_replaces_drafter(plan, kinds, short)  # value unknown yet
+    v.drafter_value = 0.05
+    assert v.lookup_replaces_drafter(plan, kinds, short)
+    v.drafter_value = 3.0  # the drafter's blocks have been worth 3 tokens
+    assert not v.lookup_replaces_drafter(plan, kinds, short)
+    # Worth less than the lookup's draft 1 where both have one, but its 5 ms beside a
+    # 100 ms step where b has no continuation.
+    v.drafter_value = 0.45
+    assert v.lookup_replaces_drafter(plan, kinds, short)
+    assert not v.lookup_replaces_drafter(plan, kinds, none_for_b)

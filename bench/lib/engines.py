@@ -29,7 +29,8 @@ def spec_of(method: str, pair: str) -> dict | None:
     """vLLM's speculative config of `method` on the pair folder `pair` (target/, draft/,
     draft-no-bridge*/ as `python -m vllm_dspine.pairs` writes them); None for plain
     decoding. Methods: plain, ngram, dflash, dspine (fixed 15-draft verification),
-    dspine-dynamic, dspine-skip, dspine-notail, dspine-nobridge, and dspine-fixedN
+    dspine-dynamic, dspine-lookup (dynamic with the prompt lookup, docs/lookup.md) and
+    its no-lookup twin dspine-nolookup, dspine-skip, dspine-notail, dspine-nobridge, and dspine-fixedN
     (DSpine verifying N drafts every step)."""
     draft = os.path.join(pair, "draft")
     if method in ("dflash", "dspine-nobridge") and not os.path.isdir(
@@ -56,6 +57,16 @@ def spec_of(method: str, pair: str) -> dict | None:
     if method == "dspine-dynamic":
         return {"method": "dspine", "model": draft, "num_speculative_tokens": K,
                 "dspine_verify": "dynamic"}
+    if method == "dspine-lookup":
+        # dspine-dynamic with the prompt lookup as a second source of drafts
+        # (docs/lookup.md), matching 2-4 tokens as the ngram method here does.
+        return {"method": "dspine", "model": draft, "num_speculative_tokens": K,
+                "dspine_verify": "dynamic", "dspine_lookup": True,
+                "dspine_lookup_min": 2, "dspine_lookup_max": 4}
+    if method == "dspine-nolookup":
+        # Its no-lookup twin: the same keys, the lookup off (dspine-dynamic's settings).
+        return {"method": "dspine", "model": draft, "num_speculative_tokens": K,
+                "dspine_verify": "dynamic", "dspine_lookup": False}
     if method == "dspine-skip":
         # Dynamic verification with a cost model under which drafting never pays: every
         # step context-only but the probes (the zero-draft path's own cost).
@@ -88,6 +99,14 @@ def profile_delta(before: dict | None, after: dict | None) -> dict:
     ms["host"] = ms["step"] - ms["target_forward"] - ms["sampler"] - ms["drafter"]
     ms["steps"] = steps
     return ms
+
+
+def source_counts(before: dict | None, after: dict | None) -> dict:
+    """DSpine's request-steps and drafts verified per source (drafter / lookup) between
+    two profile snapshots (vllm_dspine/step_profile.py `count`)."""
+    a = (after or {}).get("counts") or {}
+    b = (before or {}).get("counts") or {}
+    return {k: a[k] - b.get(k, 0) for k in a}
 
 
 def abort_probe(llm, prompts: list[list[int]], profile_path: str, n: int = 8) -> dict:
@@ -127,6 +146,34 @@ def abort_probe(llm, prompts: list[list[int]], profile_path: str, n: int = 8) ->
             "kv_usage_after_abort": rec["kv_usage_after_abort"]}
 
 
+def _vllm_collectors() -> list:
+    from prometheus_client import REGISTRY
+
+    return [c for c in list(REGISTRY._collector_to_names)
+            if getattr(c, "_name", "").startswith("vllm:")]
+
+
+def _own_metrics(llm) -> None:
+    """Makes `llm.get_metrics()` read this engine's counters even after other engines
+    started in this process: vLLM's Prometheus registry is one per process and every new
+    `LLM` unregisters the collectors of those before it (`unregister_vllm_metrics`); the
+    collectors recorded now (this engine's) are put back before each read, as
+    tests/conftest.py's engine registry does."""
+    from prometheus_client import REGISTRY
+
+    collectors = _vllm_collectors()
+    own_get_metrics = llm.get_metrics
+
+    def get_metrics():
+        for c in _vllm_collectors():
+            REGISTRY.unregister(c)
+        for c in collectors:
+            REGISTRY.register(c)
+        return own_get_metrics()
+
+    llm.get_metrics = get_metrics
+
+
 class Engine:
     """One method's engine, kept for as many measurements as asked (`measure`), closed
     with the abort probe (`close`)."""
@@ -146,6 +193,7 @@ class Engine:
                            gpu_memory_utilization=0.15, enable_prefix_caching=prefix_caching)
         finally:
             os.environ.pop(PROFILE_ENV, None)
+        _own_metrics(self.llm)
         self.tok = self.llm.get_tokenizer()
 
     def prompt_ids(self, prompts: list[str]) -> list[list[int]]:
@@ -196,15 +244,19 @@ class Engine:
                 "seconds": elapsed, "tok_per_s": tokens / elapsed,
                 "acceptance_length": tau, "acceptance_per_pos": per_pos,
                 "step_ms": profile_delta(prof0, prof1),
+                "sources": source_counts(prof0, prof1),
                 "peak_rss_mib": (prof1 or {}).get("peak_rss_mib"),
                 "outputs": [list(o.outputs[0].token_ids) for o in outs],
                 "_counters": (before, after), "_profile": (prof0, prof1)}
 
-    def close(self, rows: list[dict], first_ids: list[list[int]], log) -> None:
-        """The abort probe, peak memory into this engine's rows, shutdown."""
+    def close(self, rows: list[dict], first_ids: list[list[int]], log,
+              probe_abort: bool = True) -> None:
+        """The abort probe (unless `probe_abort` is False), peak memory into this
+        engine's rows, shutdown."""
         from vllm_dspine.step_profile import read
 
-        probe = abort_probe(self.llm, first_ids, self.profile_path)
+        probe = (abort_probe(self.llm, first_ids, self.profile_path) if probe_abort
+                 else {"abort_ms": None, "kv_usage_after_abort": None})
         final = read(self.profile_path) or {}
         for r in rows:
             r.update(probe)
@@ -225,6 +277,8 @@ def log_row(log, row: dict, suffix: str = "") -> None:
     log(f"{row['method']:>16} {row['workload']:>9} {row['sampling']:>6} "
         f"c={row['concurrency']:<3} {row['tok_per_s']:7.1f} tok/s"
         + (f"  tau {tau:.2f}" if tau else "")
+        + ("  sources " + ", ".join(f"{k} {v}" for k, v in sorted(row["sources"].items()))
+           if row.get("sources") else "")
         + (f"  step {ms['step']:.1f} ms (target {ms['target_forward']:.1f}, "
            f"drafter {ms['drafter']:.1f})" if ms else "") + suffix)
 
@@ -232,7 +286,7 @@ def log_row(log, row: dict, suffix: str = "") -> None:
 def run_method(method: str, pair: str, workloads: dict, samplings: list[str],
                concurrencies: list[int], max_tokens: int, log,
                prompts_c1: int | None = None, profile_dir: str | None = None,
-               prefix_caching: bool = False) -> list[dict]:
+               prefix_caching: bool = False, abort_probe: bool = True) -> list[dict]:
     """Every setting of one method, on one engine started for it."""
     eng = Engine(method, pair, max(concurrencies), profile_dir, prefix_caching)
     rows = []
@@ -244,14 +298,14 @@ def run_method(method: str, pair: str, workloads: dict, samplings: list[str],
             for c in concurrencies:
                 rows.append(eng.measure(wname, ids, sname, c, max_tokens, prompts_c1))
                 log_row(log, rows[-1])
-    eng.close(rows, first_ids, log)
+    eng.close(rows, first_ids, log, abort_probe)
     return rows
 
 
 def run_interleaved(methods: dict[str, list[int]], pair: str, workloads: dict,
                     samplings: list[str], max_tokens: int, rounds: int, log,
                     prompts_c1: int | None = None, prefix_caching: bool = False,
-                    fixed_rounds: int = 0) -> list[dict]:
+                    fixed_rounds: int = 0, abort_probe: bool = True) -> list[dict]:
     """All methods' engines started side by side; each setting then runs `rounds`
     times, every round running each method once (the order rotated round to round), so
     a drift of the machine enters all methods of a round alike. A method's row is its
@@ -288,15 +342,10 @@ def run_interleaved(methods: dict[str, list[int]], pair: str, workloads: dict,
                         log_row(log, per_round[m][-1], f"  (round {r + 1})")
                 plain = per_round.get("plain")
                 for m in todo:
+                    # Each engine reads its own counters (`_own_metrics`).
                     rows.append(_merge_rounds(per_round[m], plain))
-                    if m != names[-1]:
-                        # vLLM's Prometheus logger unregisters every earlier engine's
-                        # collectors from the process's registry when an engine starts
-                        # (`unregister_vllm_metrics`): only the last one's counters are
-                        # readable, the others' stay at their start-up values.
-                        rows[-1]["acceptance_length"], rows[-1]["acceptance_per_pos"] = None, []
     for m in names:
-        engines[m].close([r for r in rows if r["method"] == m], first_ids, log)
+        engines[m].close([r for r in rows if r["method"] == m], first_ids, log, abort_probe)
     return rows
 
 
@@ -315,6 +364,7 @@ def _merge_rounds(rounds: list[dict], plain: list[dict] | None) -> dict:
     row["acceptance_length"], row["acceptance_per_pos"] = acceptance(
         *first["_counters"], *(r["_counters"] for r in rounds[1:]))
     row["step_ms"] = profile_delta(first["_profile"][0], last["_profile"][1])
+    row["sources"] = source_counts(first["_profile"][0], last["_profile"][1])
     row["peak_rss_mib"] = last["peak_rss_mib"]
     if plain is not None:
         row["x_plain_rounds"] = [r["tok_per_s"] / p["tok_per_s"]

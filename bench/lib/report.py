@@ -138,6 +138,21 @@ def engine_tables(rows: list[dict]) -> str:
         out.append(f"| {r['method']} | {r['workload']} | {r['sampling']} | {r['concurrency']} "
                    f"| {r['tok_per_s']:.1f} | {ratio_s} | {tau_s} | {same} |")
     out.append("")
+    src = [r for r in rows if r.get("sources")]
+    if src:
+        out.append("Where DSpine's verified drafts came from (request-steps with drafts, "
+                   "and drafts, from the drafter and from the prompt lookup; docs/lookup.md):")
+        out.append("")
+        out.append("| method | workload | sampling | conc. | drafter request-steps (drafts) "
+                   "| lookup request-steps (drafts) |")
+        out.append("| --- | --- | --- | ---: | ---: | ---: |")
+        for r in src:
+            c = r["sources"]
+            out.append(f"| {r['method']} | {r['workload']} | {r['sampling']} "
+                       f"| {r['concurrency']} | {c.get('drafter_request_steps', 0)} "
+                       f"({c.get('drafter_drafts', 0)}) | {c.get('lookup_request_steps', 0)} "
+                       f"({c.get('lookup_drafts', 0)}) |")
+        out.append("")
     out.append("Time per engine step, measured in the engine (ms; host = step - target - "
                "sampler - drafter, the model runner's own work; outside = wall time per "
                "step not in the runner: scheduler, output processing, the front end), and "

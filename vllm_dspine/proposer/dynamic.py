@@ -89,9 +89,8 @@ PROBE_ROWS = 4  # drafts of a probe while the drafter is skipped
 SEEDED_START = 4  # a seeded request's first verified length
 SEEDED_BACKOFF = (4, 64)  # steps a seeded request waits before re-probing (doubling)
 PROBES_PER_REQUESTS = 16  # one probed request per this many requests
-# First drafts the drafter must have had verified (per kind) before the lookup may
-# replace it for a whole step (`lookup_replaces_drafter`).
-MIN_FIRST_TRIALS = 20
+# Weight of a drafted step in the drafter's value per request (`drafter_value`).
+DRAFTER_VALUE_EW = 0.1
 LOG_EVERY_S = 30.0
 # Where a request's drafts come from (`dspine_lookup`, docs/lookup.md).
 DRAFTER, LOOKUP = 0, 1
@@ -334,6 +333,9 @@ class DynamicVerifier:
         # The lookup's acceptance, calibrated apart from the drafter's (docs/lookup.md).
         self.lookup_calibrator = AcceptanceCalibrator(num_proposals)
         self.last_source = np.zeros(0, dtype=np.int64)  # `choose`'s sources, per request
+        # Accepted drafts the policy expected per request from the drafter where it
+        # chose the drafter's drafts (exponentially weighted; `lookup_replaces_drafter`).
+        self.drafter_value: float | None = None
         self.max_batch_tokens = max_batch_tokens
         self.clock = clock
         self.threshold: float | None = None
@@ -509,6 +511,11 @@ class DynamicVerifier:
             pays = choice.rho_draft > rho_other
             self._update_row_budget(lengths[policy & (caps > 0) & (source == DRAFTER)],
                                     rows)
+            mine = policy & (caps_all > 0) & (source == DRAFTER)
+            if mine.any():
+                v = float(expected[mine].mean())
+                self.drafter_value = v if self.drafter_value is None else (
+                    self.drafter_value + DRAFTER_VALUE_EW * (v - self.drafter_value))
             self.skip.record(req_ids, pays,
                              shortfall=1.0 - choice.rho_draft / max(rho_other, 1e-12),
                              calibrated=self.calibrator.trials.sum() >= CALIBRATED_TRIALS)
@@ -551,32 +558,33 @@ class DynamicVerifier:
     def lookup_replaces_drafter(self, plan: Plan, kinds: np.ndarray,
                                 lookup: LookupBatch | None) -> bool:
         """Whether this step, which the plan would draft, skips the drafter for the
-        lookup alone: every request whose length the policy chooses has a lookup
-        continuation whose first draft is accepted at least as often as the drafter's
-        first drafts have been (per kind, as observed), and no request needs the
-        block (a probe, a seeded request). The drafter's own drafts are not known
-        before it runs; its observed acceptance is what the policy has."""
-        if lookup is None or not lookup.any or not self.ready or not plan.draft:
+        lookup alone. The drafter's drafts are not known before it runs; what the policy
+        has is what its drafts have been worth: `drafter_value`, the accepted drafts it
+        expected per request where the drafter was chosen (exponentially weighted). With
+        E_L[i] the lookup's expected accepted drafts at the lengths the policy would
+        verify, the step with the drafter is estimated at (R + sum max(E_L, value)) /
+        (T + drafter time), without it (R + sum E_L) / (T + context-only time), T the
+        verification of the lookup's drafts. Never while a request needs the block (a
+        probe, a seeded request) or before the drafter's value is known."""
+        if (lookup is None or not lookup.any or not self.ready or not plan.draft
+                or self.drafter_value is None):
             return False
         caps = plan.caps
         live = caps > 0
         if plan.probe or (live & (kinds == AT_CAP)).any():
             return False
+        R = int(live.sum())
         greedy = kinds == GREEDY
-        if not (lookup.lengths[live] > 0).all():
-            return False
-        a1 = np.clip(self.lookup_calibrator.predict(lookup.conf[:, :1], greedy), 0.0, 1.0)[:, 0]
-        ok = True
-        for kind, mask in ((0, greedy), (1, ~greedy)):
-            sel = live & mask
-            if not sel.any():
-                continue
-            n = float(self.calibrator.trials[kind, 0].sum())
-            if n < MIN_FIRST_TRIALS:
-                return False  # the drafter's acceptance not known yet: let it draft
-            drafter_a1 = float(self.calibrator.success[kind, 0].sum()) / n
-            ok &= bool((a1[sel] >= drafter_a1).all())
-        return ok
+        GL = self.lookup_gains(lookup, greedy)
+        within = np.arange(GL.shape[1])[None, :] < np.minimum(caps, lookup.lengths)[:, None]
+        lam = self.threshold or 0.0
+        take = within & (GL >= lam)
+        E = np.where(take, GL, 0.0).sum(1)[live]
+        T = float(self.step_cost.step_seconds(R + int(take[live].sum())))
+        with_drafter = (R + np.maximum(E, self.drafter_value).sum()) / (
+            T + self.draft_seconds(R * (min(self.row_budget, self.K) + 1)))
+        without = (R + E.sum()) / (T + self.context_seconds(R))
+        return bool(without >= with_drafter)
 
     def choose_lookup_only(self, req_ids: list[str], kinds: np.ndarray, caps: np.ndarray,
                            lookup: LookupBatch | None) -> np.ndarray:
