@@ -17,6 +17,13 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# What scripts/env.sh sets, for a test file run without it (`pytest tests/X.py`): without
+# VLLM_TARGET_DEVICE=cpu vLLM may load AVX-512 kernels on an AVX2-only CPU and the process
+# dies with "Illegal instruction" before any test reports.
+from vllm_dspine.cpu_env import set_cpu_defaults  # noqa: E402
+
+set_cpu_defaults()
+
 import contextlib  # noqa: E402
 import json  # noqa: E402
 
