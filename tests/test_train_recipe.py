@@ -214,13 +214,34 @@ def test_tail_loss_enters_block_loss(trained_like):
 
 
 def test_coverage_vocab():
-    from vllm_dspine.train.__main__ import coverage_vocab, covered_share
+    from vllm_dspine.train.corpus import coverage_vocab, covered_share
 
     texts = [np.array([1, 1, 1, 1, 2, 2, 3, 4, 5, 1])]  # 1: 50 %, 2: 20 %, rest 10 % each
     assert coverage_vocab(texts, 0.5, 8).tolist() == [1]
     assert coverage_vocab(texts, 0.7, 8).tolist() == [1, 2]
     assert coverage_vocab(texts, 0.75, 8).tolist() == [1, 2, 3]
     assert covered_share(texts, torch.tensor([1, 2]), 8) == pytest.approx(0.7)
+
+
+
+def test_coverage_growth_table(corpus_dir, pair, capsys):
+    """The corpus's vocabulary against held-out answers, shard by shard: here the held-out
+    corpus is the corpus itself, so all its shards cover it whole and one shard covers
+    exactly the share of answer tokens whose ids shard 0 holds (computed by hand)."""
+    rows = C.coverage_growth(corpus_dir, corpus_dir, vocab_size=512)  # the tiny target's
+    assert [r["shards"] for r in rows] == [1, 2]
+    assert rows[-1]["held_out_covered"] == pytest.approx(1.0)
+    corpus = C.Corpus(corpus_dir)
+    answers = [s[a:] for s, a in zip(corpus.sequences, corpus.answer_start)]
+    seen0 = set(np.concatenate(corpus.sequences[:4]).tolist())
+    inside = sum(int(t in seen0) for a in answers for t in a.tolist())
+    assert rows[0]["held_out_covered"] == pytest.approx(inside / sum(len(a) for a in answers))
+    assert rows[0]["answer_tokens"] == sum(len(a) for a in answers[:4])
+    assert rows[1]["ids"] == len(set(np.concatenate(corpus.sequences).tolist()))
+    assert C.main(["--target", pair.target_dir, "--corpus", corpus_dir,
+                   "--coverage-of", corpus_dir]) == 0
+    out = capsys.readouterr().out
+    assert "| 2 |" in out and "100.0 %" in out
 
 
 def test_general_command_trains_exports_and_continues(corpus_dir, pair, tmp_path):

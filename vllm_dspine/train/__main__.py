@@ -35,6 +35,8 @@ import time
 import numpy as np
 import torch
 
+from vllm_dspine.train.corpus import coverage_vocab, covered_share
+
 from vllm_dspine.config import ARCHITECTURE, MODEL_TYPE, DSpineConfig
 
 PRESETS = {
@@ -108,24 +110,6 @@ def init_from_target(cfg: DSpineConfig, target, seed: int) -> dict[str, torch.Te
     w["hidden_norm.weight"] = sd[f"model.layers.{first}.input_layernorm.weight"].clone()
     w["norm.weight"] = sd["model.norm.weight"].clone()
     return w
-
-
-def coverage_vocab(token_lists, coverage: float, vocab_size: int) -> torch.Tensor:
-    """The most frequent tokens until `coverage` of all tokens is covered.  -> sorted [V']"""
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for t in token_lists:
-        counts += np.bincount(np.asarray(t), minlength=vocab_size)
-    order = np.argsort(-counts, kind="stable")
-    cum = np.cumsum(counts[order]) / counts.sum()
-    n = int(np.searchsorted(cum, coverage) + 1)
-    return torch.from_numpy(np.sort(order[:n])).long()
-
-
-def covered_share(token_lists, vocab: torch.Tensor, vocab_size: int) -> float:
-    inside = np.zeros(vocab_size, dtype=bool)
-    inside[vocab.numpy()] = True
-    tot = sum(len(t) for t in token_lists)
-    return float(sum(inside[np.asarray(t)].sum() for t in token_lists) / max(1, tot))
 
 
 def load_corpus_data(corpus_dir: str, store: str):

@@ -99,6 +99,50 @@ def read_manifest(folder: str) -> dict:
         return json.load(f)
 
 
+# ------------------------------------------------------------------- vocabulary coverage
+def coverage_vocab(token_lists, coverage: float, vocab_size: int):
+    """The most frequent tokens until `coverage` of all tokens is covered.  -> sorted [V']
+    (torch int64: the drafter's loss and retrieval vocabulary)."""
+    import torch
+
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for t in token_lists:
+        counts += np.bincount(np.asarray(t), minlength=vocab_size)
+    order = np.argsort(-counts, kind="stable")
+    cum = np.cumsum(counts[order]) / counts.sum()
+    n = int(np.searchsorted(cum, coverage) + 1)
+    return torch.from_numpy(np.sort(order[:n])).long()
+
+
+def covered_share(token_lists, vocab, vocab_size: int) -> float:
+    """Share of all tokens of `token_lists` that lie inside `vocab` (ids)."""
+    inside = np.zeros(vocab_size, dtype=bool)
+    inside[np.asarray(vocab)] = True
+    tot = sum(len(t) for t in token_lists)
+    return float(sum(inside[np.asarray(t)].sum() for t in token_lists) / max(1, tot))
+
+
+def coverage_growth(folder: str, held_out: str, vocab_size: int,
+                    coverage: float = 0.995) -> list[dict]:
+    """How the corpus's vocabulary covers held-out answers as shards are added: per
+    prefix of the shards, the answer tokens, the ids the corpus holds, the share of the
+    held-out answer tokens they cover, and the same for the `coverage` loss vocabulary
+    the trainer would choose (`python -m vllm_dspine.train --vocab-coverage`)."""
+    held = Corpus(held_out)
+    held_answers = [s[a:] for s, a in zip(held.sequences, held.answer_start)]
+    names = [s["file"] for s in read_manifest(folder)["shards"]]
+    rows = []
+    for n in range(1, len(names) + 1):
+        c = Corpus(folder, names[:n])
+        seen = np.unique(np.concatenate(c.sequences))
+        vocab = coverage_vocab(c.sequences, coverage, vocab_size)
+        rows.append({"shards": n, "answer_tokens": c.answer_tokens(), "ids": int(seen.size),
+                     "held_out_covered": covered_share(held_answers, seen, vocab_size),
+                     "loss_vocab": int(vocab.numel()),
+                     "loss_vocab_covers": covered_share(held_answers, vocab, vocab_size)})
+    return rows
+
+
 def _write_manifest(folder: str, manifest: dict) -> None:
     tmp = os.path.join(folder, "manifest.json.tmp")
     with open(tmp, "w") as f:
@@ -284,7 +328,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--greedy-share", type=float, default=0.75)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--coverage-of", default=None, metavar="HELD_OUT",
+                    help="instead: print how the corpus's vocabulary covers the answers of "
+                         "the held-out corpus HELD_OUT as shards are added (no engine)")
     args = ap.parse_args(argv)
+    if args.coverage_of:
+        with open(os.path.join(args.target, "config.json")) as f:
+            vocab_size = json.load(f)["vocab_size"]
+        print("| shards | answer tokens | ids in corpus | held-out answers covered "
+              "| 99.5 % loss vocabulary | it covers |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in coverage_growth(args.corpus, args.coverage_of, vocab_size):
+            print(f"| {r['shards']} | {r['answer_tokens']:,} | {r['ids']:,} "
+                  f"| {100 * r['held_out_covered']:.1f} % | {r['loss_vocab']:,} "
+                  f"| {100 * r['loss_vocab_covers']:.1f} % |")
+        return 0
     from vllm_dspine.cpu_env import set_cpu_defaults
 
     set_cpu_defaults()
