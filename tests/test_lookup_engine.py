@@ -82,8 +82,8 @@ def test_greedy_identical_with_lookup(plain_llm, lookup_llm, profile_path):
 # The prompt holds "fghijklmnop" before the planted habit's "abcdefg": after the habit's
 # "h" the lookup proposes "ijklmnop", which the target mostly continues with.
 LOOKUP_CASE = Case("lookup", temperature=0.35, prompt=tuple(b"fghijklmnopabcdefg"))
-# Default tier: 3,000 samples (the chi-square detects TV 0.045-0.053 at power 0.9 for
-# df 2-9, asserted <= 0.06); full tier 12,000 (asserted <= 0.03).
+# Default tier: 3,000 samples (the chi-square detects TV 0.045 at power 0.9 for df 2,
+# asserted <= 0.06); full tier 12,000 (asserted <= 0.03).
 FAST_SAMPLES = int(os.environ.get("DSPINE_LOOKUP_SAMPLES_FAST", "3000"))
 FULL_SAMPLES = int(os.environ.get("DSPINE_LOOKUP_SAMPLES", "12000"))
 
@@ -93,7 +93,9 @@ def lookup_law(pair):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return exact_marginals(load_float64_target(pair.target_dir), LOOKUP_CASE, tokens=4)
+        # Tokens 2 and 3: with this 18-token prompt the law of token 4 took 44 s to
+        # enumerate (measured), most of this module's time.
+        return exact_marginals(load_float64_target(pair.target_dir), LOOKUP_CASE, tokens=3)
     finally:
         torch.set_num_threads(threads)
 
@@ -115,11 +117,11 @@ def _sampled_follows_the_law(llm, law, profile_path, n: int, asserted_tv: float)
     assert c.get("lookup_request_steps", 0) > n // 10, c
     assert accepted > n // 10
     assert spec.shape == (n, 6)
-    check_follows("lookup", spec, law, (1, 2, 3), asserted_tv=asserted_tv)
+    check_follows("lookup", spec, law, (1, 2), asserted_tv=asserted_tv)
 
 
 def test_sampled_distribution_is_exact_with_lookup(lookup_llm, lookup_law, profile_path):
-    """Tokens 2-4 of max_tokens 6 at T 0.35 follow the exact law (tests/exact_law.py;
+    """Tokens 2 and 3 of max_tokens 6 at T 0.35 follow the exact law (tests/exact_law.py;
     p > 1e-3 per position, no token of exact probability 0) with the lookup's drafts
     verified at q = 1: FAST_SAMPLES requests."""
     _sampled_follows_the_law(lookup_llm, lookup_law, profile_path, FAST_SAMPLES, 0.06)
