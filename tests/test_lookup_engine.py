@@ -83,9 +83,10 @@ def test_greedy_identical_with_lookup(plain_llm, lookup_llm, profile_path):
 # "h" the lookup proposes "ijklmnop", which the target mostly continues with.
 LOOKUP_CASE = Case("lookup", temperature=0.35, prompt=tuple(b"fghijklmnopabcdefg"))
 # Default tier: 3,000 samples (the chi-square detects TV 0.045 at power 0.9 for df 2,
-# asserted <= 0.06); full tier 12,000 (asserted <= 0.03).
+# asserted <= 0.06); full tier 72,000: TV 0.0091-0.0098 for df 2-4, asserted <= 0.01, the
+# project's 1 % level (12,000, run once on 2026-12-03, detected only TV 0.022).
 FAST_SAMPLES = int(os.environ.get("DSPINE_LOOKUP_SAMPLES_FAST", "3000"))
-FULL_SAMPLES = int(os.environ.get("DSPINE_LOOKUP_SAMPLES", "12000"))
+FULL_SAMPLES = int(os.environ.get("DSPINE_LOOKUP_SAMPLES", "72000"))
 
 
 @pytest.fixture(scope="module")
@@ -130,5 +131,5 @@ def test_sampled_distribution_is_exact_with_lookup(lookup_llm, lookup_law, profi
 @pytest.mark.full
 def test_sampled_distribution_is_exact_with_lookup_full(lookup_llm, lookup_law,
                                                         profile_path):
-    """The same at FULL_SAMPLES (detects TV ~0.025 at power 0.9)."""
-    _sampled_follows_the_law(lookup_llm, lookup_law, profile_path, FULL_SAMPLES, 0.03)
+    """The same at FULL_SAMPLES (detects TV 0.01 at power 0.9)."""
+    _sampled_follows_the_law(lookup_llm, lookup_law, profile_path, FULL_SAMPLES, 0.01)
