@@ -60,13 +60,6 @@ def _shutdown(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-def _vllm_collectors() -> list:
-    from prometheus_client import REGISTRY
-
-    return [c for c in list(REGISTRY._collector_to_names)
-            if getattr(c, "_name", "").startswith("vllm:")]
-
-
 class EngineRegistry:
     """vLLM engines (`vllm.LLM`, built by `engine_utils.make_llm`) of one test session.
 
@@ -159,6 +152,7 @@ class EngineRegistry:
 
     def _start(self, target_dir, spec, dump_dir, kwargs):
         from engine_utils import make_llm
+        from vllm_dspine.serving.metrics import read_own_metrics
 
         if dump_dir:  # read by the DSpine proposer when the engine starts
             os.environ["VLLM_DSPINE_DEBUG_DUMP"] = str(dump_dir)
@@ -166,19 +160,7 @@ class EngineRegistry:
             llm = make_llm(target_dir, spec, **kwargs)
         finally:
             os.environ.pop("VLLM_DSPINE_DEBUG_DUMP", None)
-        collectors = _vllm_collectors()  # this engine's: the LLM unregistered the others
-        own_get_metrics = llm.get_metrics
-
-        def get_metrics():
-            from prometheus_client import REGISTRY
-
-            for c in _vllm_collectors():
-                REGISTRY.unregister(c)
-            for c in collectors:
-                REGISTRY.register(c)
-            return own_get_metrics()
-
-        llm.get_metrics = get_metrics
+        read_own_metrics(llm)  # the LLM unregistered the other engines' collectors
         return llm
 
 

@@ -18,7 +18,7 @@ import re
 import tempfile
 import time
 
-from vllm_dspine.serving.metrics import acceptance, spec_decode_counters
+from vllm_dspine.serving.metrics import acceptance, read_own_metrics, spec_decode_counters
 
 K = 15
 PROFILE_ENV = "VLLM_DSPINE_STEP_PROFILE"
@@ -146,34 +146,6 @@ def abort_probe(llm, prompts: list[list[int]], profile_path: str, n: int = 8) ->
             "kv_usage_after_abort": rec["kv_usage_after_abort"]}
 
 
-def _vllm_collectors() -> list:
-    from prometheus_client import REGISTRY
-
-    return [c for c in list(REGISTRY._collector_to_names)
-            if getattr(c, "_name", "").startswith("vllm:")]
-
-
-def _own_metrics(llm) -> None:
-    """Makes `llm.get_metrics()` read this engine's counters even after other engines
-    started in this process: vLLM's Prometheus registry is one per process and every new
-    `LLM` unregisters the collectors of those before it (`unregister_vllm_metrics`); the
-    collectors recorded now (this engine's) are put back before each read, as
-    tests/conftest.py's engine registry does."""
-    from prometheus_client import REGISTRY
-
-    collectors = _vllm_collectors()
-    own_get_metrics = llm.get_metrics
-
-    def get_metrics():
-        for c in _vllm_collectors():
-            REGISTRY.unregister(c)
-        for c in collectors:
-            REGISTRY.register(c)
-        return own_get_metrics()
-
-    llm.get_metrics = get_metrics
-
-
 class Engine:
     """One method's engine, kept for as many measurements as asked (`measure`), closed
     with the abort probe (`close`)."""
@@ -193,7 +165,7 @@ class Engine:
                            gpu_memory_utilization=0.15, enable_prefix_caching=prefix_caching)
         finally:
             os.environ.pop(PROFILE_ENV, None)
-        _own_metrics(self.llm)
+        read_own_metrics(self.llm)
         self.tok = self.llm.get_tokenizer()
 
     def prompt_ids(self, prompts: list[str]) -> list[list[int]]:
@@ -342,7 +314,7 @@ def run_interleaved(methods: dict[str, list[int]], pair: str, workloads: dict,
                         log_row(log, per_round[m][-1], f"  (round {r + 1})")
                 plain = per_round.get("plain")
                 for m in todo:
-                    # Each engine reads its own counters (`_own_metrics`).
+                    # Each engine reads its own counters (`read_own_metrics`).
                     rows.append(_merge_rounds(per_round[m], plain))
     for m in names:
         engines[m].close([r for r in rows if r["method"] == m], first_ids, log, abort_probe)

@@ -12,7 +12,9 @@ the offline ones (`vllm:spec_decode_num_drafts`, `..._num_draft_tokens`,
 which `spec_decode_counters_of_page` undoes.
 
 Also the page parsers the tests and bench/serve.py read whole pages with
-(`metric_page`, `prometheus_samples`). Standard library only.
+(`metric_page`, `prometheus_samples`), and `read_own_metrics`, which makes each of several
+engines in one process read its own counters. Standard library only, but for
+prometheus_client (vLLM's), imported where `read_own_metrics` runs.
 """
 
 from __future__ import annotations
@@ -35,6 +37,34 @@ def spec_decode_counters(llm) -> dict:
         if m.name.startswith(SPEC_DECODE):
             out[m.name] = getattr(m, "values", None) or getattr(m, "value", None)
     return out
+
+
+def _vllm_collectors() -> list:
+    from prometheus_client import REGISTRY
+
+    return [c for c in list(REGISTRY._collector_to_names)
+            if getattr(c, "_name", "").startswith("vllm:")]
+
+
+def read_own_metrics(llm) -> None:
+    """Makes `llm.get_metrics()` read this engine's counters even after other engines
+    started in this process. vLLM's Prometheus registry is one per process and every new
+    `LLM` unregisters the collectors of those before it (`unregister_vllm_metrics`); call
+    this right after the engine is built: the collectors registered then (this engine's)
+    are put back before each read."""
+    from prometheus_client import REGISTRY
+
+    collectors = _vllm_collectors()
+    own_get_metrics = llm.get_metrics
+
+    def get_metrics():
+        for c in _vllm_collectors():
+            REGISTRY.unregister(c)
+        for c in collectors:
+            REGISTRY.register(c)
+        return own_get_metrics()
+
+    llm.get_metrics = get_metrics
 
 
 def spec_decode_counters_of_page(text: str) -> dict:
