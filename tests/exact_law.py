@@ -140,7 +140,17 @@ class Exact:
 def exact_marginals(model, case: Case, tokens: int = 3) -> Exact:
     """The laws of generated tokens 1..`tokens`: every history of probability >= PRUNE
     enumerated with the target in float64, each level reusing the KV cache of the one
-    before (in chunks of CHUNK histories)."""
+    before (in chunks of CHUNK histories). Runs on one intra-op thread (restored after):
+    the tiny target's small ops only wait on a thread pool, the more so beside engines."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _enumerate(model, case, tokens)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _enumerate(model, case: Case, tokens: int) -> Exact:
     prompt = list(case.prompt)
     V = model.config.vocab_size
     none = torch.zeros(1, 0, dtype=torch.long)

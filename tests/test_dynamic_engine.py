@@ -92,12 +92,7 @@ POLICY_SAMPLES = 6000
 
 @pytest.fixture(scope="module")
 def policy_law(pair):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return exact_marginals(load_float64_target(pair.target_dir), POLICY_CASE, tokens=4)
-    finally:
-        torch.set_num_threads(threads)
+    return exact_marginals(load_float64_target(pair.target_dir), POLICY_CASE, tokens=4)
 
 
 def test_sampled_distribution_is_exact_with_the_policy(dyn_llm, policy_law):

@@ -91,14 +91,9 @@ FULL_SAMPLES = int(os.environ.get("DSPINE_LOOKUP_SAMPLES", "72000"))
 
 @pytest.fixture(scope="module")
 def lookup_law(pair):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        # Tokens 2 and 3: with this 18-token prompt the law of token 4 took 44 s to
-        # enumerate (measured), most of this module's time.
-        return exact_marginals(load_float64_target(pair.target_dir), LOOKUP_CASE, tokens=3)
-    finally:
-        torch.set_num_threads(threads)
+    # Tokens 2 and 3: with this 18-token prompt the law of token 4 took 44 s to
+    # enumerate (measured), most of this module's time.
+    return exact_marginals(load_float64_target(pair.target_dir), LOOKUP_CASE, tokens=3)
 
 
 def _sampled_follows_the_law(llm, law, profile_path, n: int, asserted_tv: float) -> None:
