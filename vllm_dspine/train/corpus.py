@@ -130,13 +130,14 @@ def coverage_growth(folder: str, held_out: str, vocab_size: int,
     the trainer would choose (`python -m vllm_dspine.train --vocab-coverage`)."""
     held = Corpus(held_out)
     held_answers = [s[a:] for s, a in zip(held.sequences, held.answer_start)]
-    names = [s["file"] for s in read_manifest(folder)["shards"]]
-    rows = []
-    for n in range(1, len(names) + 1):
-        c = Corpus(folder, names[:n])
-        seen = np.unique(np.concatenate(c.sequences))
-        vocab = coverage_vocab(c.sequences, coverage, vocab_size)
-        rows.append({"shards": n, "answer_tokens": c.answer_tokens(), "ids": int(seen.size),
+    rows, seqs, answer_tokens = [], [], 0
+    for n, shard in enumerate(read_manifest(folder)["shards"], start=1):
+        c = Corpus(folder, [shard["file"]])  # each shard read once, the prefix grows
+        seqs += c.sequences
+        answer_tokens += c.answer_tokens()
+        seen = np.unique(np.concatenate(seqs))
+        vocab = coverage_vocab(seqs, coverage, vocab_size)
+        rows.append({"shards": n, "answer_tokens": answer_tokens, "ids": int(seen.size),
                      "held_out_covered": covered_share(held_answers, seen, vocab_size),
                      "loss_vocab": int(vocab.numel()),
                      "loss_vocab_covers": covered_share(held_answers, vocab, vocab_size)})
