@@ -271,10 +271,14 @@ def test_general_command_trains_exports_and_continues(corpus_dir, pair, tmp_path
     assert ho["vocab_coverage"] == pytest.approx(1.0)
     assert len(ho["tail_accept_by_position"]) == 15
     out2 = str(tmp_path / "d2")
+    # continued on the first shard only (`--shards 1`): the store keeps both shards'
+    # features, the run reads shard 0's four sequences alone
     assert main(common + ["--steps", "1", "--out", out2, "--init-from", out1,
-                          "--name", "again"]) == 0
+                          "--name", "again", "--shards", "1"]) == 0
     rec2 = json.load(open(os.path.join(out2, "training.json")))
     assert len(rec2["stages"]) == 2 and rec2["stages"][0] == rec["stages"][0]
+    assert rec["stages"][0]["sequences"] == 8
+    assert rec2["stages"][1]["sequences"] == 4 and rec2["stages"][1]["corpus_shards"] == 1
 
 
 def test_committed_corpus_is_complete_and_clean():

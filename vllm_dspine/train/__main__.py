@@ -112,13 +112,17 @@ def init_from_target(cfg: DSpineConfig, target, seed: int) -> dict[str, torch.Te
     return w
 
 
-def load_corpus_data(corpus_dir: str, store: str):
-    """The corpus shards that have features in `store`, with their features (memory-
-    mapped), top-k ids and log-probabilities per sequence."""
-    from vllm_dspine.train.corpus import Corpus
+def load_corpus_data(corpus_dir: str, store: str, limit_shards: int | None = None):
+    """The corpus shards that have features in `store` (of the corpus's first
+    `limit_shards` when given), with their features (memory-mapped), top-k ids and
+    log-probabilities per sequence."""
+    from vllm_dspine.train.corpus import Corpus, read_manifest
     from vllm_dspine.train.feature_store import FeatureStore
 
     shards = FeatureStore.shards_in(store)
+    if limit_shards is not None:
+        first = [s["file"] for s in read_manifest(corpus_dir)["shards"]][:limit_shards]
+        shards = [s for s in shards if s in first]
     corpus = Corpus(corpus_dir, shards)
     fs = FeatureStore(store, shards)
     feats, tids, tlp = [], [], []
@@ -139,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True, help="the target's Hugging Face folder")
     ap.add_argument("--corpus", required=True, help="corpus folder (train/corpus.py)")
+    ap.add_argument("--shards", type=int, default=None,
+                    help="train on the corpus's first N shards only (default: all); "
+                         "features are computed for those alone")
     ap.add_argument("--work", required=True, help="working folder (features, state)")
     ap.add_argument("--out", default=None, help="the drafter's folder (default WORK/draft)")
     ap.add_argument("--held-out-corpus", default=None,
@@ -205,10 +212,10 @@ def main(argv: list[str] | None = None) -> int:
                            target_layers, args.mask_token_id)
     store = os.path.join(work, "features")
     if rank == 0:
-        build_store(args.target, args.corpus, store, target_layers, args.topk)
+        build_store(args.target, args.corpus, store, target_layers, args.topk, args.shards)
     if world > 1:
         dist.barrier()
-    corpus, feats, tids, tlp = load_corpus_data(args.corpus, store)
+    corpus, feats, tids, tlp = load_corpus_data(args.corpus, store, args.shards)
     vocab = coverage_vocab(corpus.sequences, args.vocab_coverage, tcfg.vocab_size)
     _log(f"corpus: {len(corpus)} sequences, {corpus.answer_tokens()} answer tokens; "
          f"loss vocabulary {len(vocab)} ids")
