@@ -281,6 +281,18 @@ def test_general_command_trains_exports_and_continues(corpus_dir, pair, tmp_path
     assert rec2["stages"][1]["sequences"] == 4 and rec2["stages"][1]["corpus_shards"] == 1
 
 
+def test_a_flat_record_is_kept_as_the_first_stage():
+    """The committed SmolLM2 drafter's record predates `stages`: a run continuing from it
+    keeps it whole as stage one instead of dropping it."""
+    from vllm_dspine.train.__main__ import record_stages
+
+    flat = {"command": "python -m vllm_dspine.train.smollm2 ...", "steps": 1200}
+    assert record_stages(flat) == [flat]
+    assert record_stages({"variant": "full", "stages": [flat, {"steps": 2}]}) == [
+        flat, {"steps": 2}]
+    assert record_stages({}) == []
+
+
 def test_committed_corpus_is_complete_and_clean():
     """Every shard the committed manifest lists is in the tree with the counts it
     records, its prompts come from training sources only (never a benchmark), and no

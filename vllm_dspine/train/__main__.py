@@ -288,12 +288,20 @@ def main(argv: list[str] | None = None) -> int:
         _log(f"held out: {json.dumps(stage['held_out'])}")
     if os.path.exists(os.path.join(train_dir, "loss.png")):  # none after --steps 0
         shutil.copyfile(os.path.join(train_dir, "loss.png"), os.path.join(out, "loss.png"))
-    record = {"variant": args.variant, "stages": record_prev.get("stages", []) + [stage],
+    record = {"variant": args.variant, "stages": record_stages(record_prev) + [stage],
               "wall_seconds_this_run": round(time.time() - t_start, 1)}
     with open(os.path.join(out, "training.json"), "w") as f:
         json.dump(record, f, indent=2)
     _log(json.dumps(stage, indent=2, default=str)[:4000])
     return 0
+
+
+def record_stages(record: dict) -> list[dict]:
+    """The stages of a drafter's `training.json`; a record from before stages were kept
+    (the 2026-12-01 SmolLM2 drafter's: one flat dict) is its single stage."""
+    if not record:
+        return []
+    return list(record["stages"]) if "stages" in record else [record]
 
 
 def held_out_acceptance(cfg, w, embed, head, vocab, corpus, feats, limit: int) -> dict:
