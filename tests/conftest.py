@@ -39,7 +39,7 @@ ENGINE_MODULE_ORDER = (
     # `vllm serve` of the tiny pair (the Ray test compares with it)
     "test_serve", "test_ray_serve",
     # the hybrid pair, then SmolLM2
-    "test_hybrid_engine", "test_hybrid_sampled",
+    "test_hybrid_engine", "test_hybrid_sliding_window", "test_hybrid_sampled",
     "test_smollm2_convert", "test_smollm2_pair",
 )
 
@@ -87,6 +87,7 @@ class EngineRegistry:
         self._used_by_module: set[str] = set()
         self._module = None
         self.started: list[str] = []  # keys, in start order (engine starts of the session)
+        self.start_log: list[tuple[str, str, float]] = []  # (module, kind, seconds to start)
 
     # --------------------------------------------------------------- public
     def get(self, target_dir, spec: dict | None = None, dump_dir: str | None = None,
@@ -100,7 +101,7 @@ class EngineRegistry:
             self._alive[key] = self._alive.pop(key)  # most recently used
             return self._alive[key]
         self._make_room(1)
-        llm = self._start(target_dir, spec, dump_dir, kwargs)
+        llm = self._start(target_dir, spec, dump_dir, kwargs, "shared")
         self._alive[key] = llm
         self.started.append(key)
         return llm
@@ -109,7 +110,7 @@ class EngineRegistry:
     def private(self, target_dir, spec: dict | None = None, dump_dir: str | None = None,
                 **kwargs):
         self._make_room(1)
-        llm = self._start(target_dir, spec, dump_dir, kwargs)
+        llm = self._start(target_dir, spec, dump_dir, kwargs, "private")
         self.started.append("private " + json.dumps([str(target_dir), spec, kwargs],
                                                     sort_keys=True, default=str))
         try:
@@ -150,10 +151,13 @@ class EngineRegistry:
             if key not in self._used_by_module:
                 _shutdown(self._alive.pop(key))
 
-    def _start(self, target_dir, spec, dump_dir, kwargs):
+    def _start(self, target_dir, spec, dump_dir, kwargs, kind):
+        import time
+
         from engine_utils import make_llm
         from vllm_dspine.serving.metrics import read_own_metrics
 
+        t0 = time.perf_counter()
         if dump_dir:  # read by the DSpine proposer when the engine starts
             os.environ["VLLM_DSPINE_DEBUG_DUMP"] = str(dump_dir)
         try:
@@ -161,15 +165,39 @@ class EngineRegistry:
         finally:
             os.environ.pop("VLLM_DSPINE_DEBUG_DUMP", None)
         read_own_metrics(llm)  # the LLM unregistered the other engines' collectors
+        what = os.path.basename(str(target_dir).rstrip("/"))
+        if spec:
+            what += " + " + os.path.basename(str(spec.get("model", "")).rstrip("/")) + " " + \
+                json.dumps({k: v for k, v in spec.items()
+                            if k not in ("method", "model", "num_speculative_tokens")},
+                           sort_keys=True, default=str)
+        self.start_log.append((f"{self._module} ({kind}): {what} {kwargs or ''}", kind,
+                               time.perf_counter() - t0))
         return llm
+
+
+_REGISTRY: list[EngineRegistry] = []  # the session's, for the terminal summary
 
 
 @pytest.fixture(scope="session")
 def engines():
     registry = EngineRegistry(int(os.environ.get("DSPINE_TEST_ENGINES", "3")))
+    _REGISTRY.append(registry)
     yield registry
-    print(f"\nengine starts this session: {len(registry.started)}")
     registry.close()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The session's in-process engine starts (the suite's cost: docs/testing.md), each
+    with its module, configuration and seconds to start; printed even after an
+    interrupt. `vllm serve` subprocesses are not counted here."""
+    if not _REGISTRY or not _REGISTRY[0].start_log:
+        return
+    log = _REGISTRY[0].start_log
+    terminalreporter.write_sep("=", f"{len(log)} engine starts, "
+                                    f"{sum(s for *_, s in log):.1f} s starting them")
+    for what, _, seconds in log:
+        terminalreporter.write_line(f"{seconds:6.1f}s  {what}")
 
 
 @pytest.fixture(autouse=True, scope="module")

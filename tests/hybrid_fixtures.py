@@ -18,6 +18,11 @@ import torch
 
 # bf16: the only dtype vLLM's CPU GDN path runs.
 ENGINE_KW = dict(dtype="bfloat16", enable_prefix_caching=False, max_num_seqs=16)
+# Plain vLLM on the hybrid pair's target: one engine from the session's registry serves
+# tests/test_hybrid_engine.py and tests/test_hybrid_sliding_window.py (2048: the
+# sliding-window module's context, above its drafter's 64-position window and below its
+# 8192 one).
+PLAIN_KW = dict(ENGINE_KW, max_model_len=2048)
 
 
 @pytest.fixture(autouse=True)

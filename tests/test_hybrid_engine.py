@@ -3,7 +3,10 @@ against plain vLLM on the same target: greedy outputs equal up to bf16 near-ties
 dynamic (an injected cost model: the verified lengths do not depend on the machine's
 load) and fixed verification, under preemption, and with prefix caching (block-boundary
 states). Plain vLLM against transformers' fp32 model first. Preemption and prefix caching
-are in the `full` tier (docs/testing.md).
+are in the `full` tier (docs/testing.md), and so is the greedy identity with fixed
+verification: the default tier's fixed-verification identity on this target is
+tests/test_hybrid_sliding_window.py's (the same workload, the same replay commit, the
+drafter in a sliding-window group).
 
 The trained pair is conftest.py's `hybrid_trained_pair` (the committed distilled
 drafter); what the hybrid modules share is in tests/hybrid_fixtures.py; engines come
@@ -15,8 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_fixtures import (assert_equal_up_to_near_ties, engine_kw, engine_metric,
-                             greedy_workload, tokens_of)
+from hybrid_fixtures import (PLAIN_KW, assert_equal_up_to_near_ties, engine_kw,
+                             engine_metric, greedy_workload, tokens_of)
 from hybrid_fixtures import offline  # noqa: F401 - autouse: no model hub
 from vllm_dspine.serving.metrics import ACCEPTED_PER_POS, NUM_ACCEPTED, spec_decode_counters
 
@@ -44,9 +47,9 @@ def trained_pair(hybrid_trained_pair):
 
 @pytest.fixture(scope="module")
 def plain_llm(engines, trained_pair):
-    llm = engines.get(trained_pair.target_dir, **engine_kw(max_model_len=1536))
-    yield llm
-    engines.release(llm)  # no other module uses it
+    # PLAIN_KW: the same engine serves tests/test_hybrid_sliding_window.py (run next,
+    # conftest.ENGINE_MODULE_ORDER), which shuts it down.
+    return engines.get(trained_pair.target_dir, **PLAIN_KW)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +93,7 @@ def greedy_want(plain_llm):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("verify", ["dynamic", "fixed"])
+@pytest.mark.parametrize("verify", ["dynamic", pytest.param("fixed", marks=pytest.mark.full)])
 def test_dspine_greedy_equals_plain_vllm(engines, trained_pair, greedy_want, reference,
                                          verify):
     """DSpine on the hybrid target (the replay commit), 32 requests of 3..300 prompt

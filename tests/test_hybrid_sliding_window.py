@@ -10,8 +10,10 @@ for every mix of layer kinds; with engines, that DSpine on the pair's target wit
 distilled drafter given a window larger than max_model_len (allocated as full attention,
 grouped with the target's attention layer) and one smaller than the prompts (a
 sliding-window group of its own) starts and gives plain vLLM's greedy tokens up to bf16
-near-ties, with drafts accepted, and (`full` tier) every other mix of layer kinds and
-the sampled law.
+near-ties, with drafts accepted, and (`full` tier) the larger window, every other mix
+of layer kinds and the sampled law. The default tier's engines: the plain one shared with
+tests/test_hybrid_engine.py (the session's registry, conftest.py) and the smaller
+window's.
 
 The greedy workload, the near-tie comparison and the two-sample check are those of the
 other hybrid modules (tests/hybrid_fixtures.py).
@@ -28,8 +30,8 @@ import shutil
 import pytest
 import torch
 
-from hybrid_fixtures import (ALPHA, POWER, assert_equal_up_to_near_ties, greedy_workload,
-                             tokens_of, two_sample, two_sample_detectable_tv)
+from hybrid_fixtures import (ALPHA, PLAIN_KW, POWER, assert_equal_up_to_near_ties,
+                             greedy_workload, tokens_of, two_sample, two_sample_detectable_tv)
 from hybrid_fixtures import offline  # noqa: F401 - autouse: no model hub
 from vllm_dspine.config import DSpineConfig
 from vllm_dspine.model.kv_cache_groups import (
@@ -179,7 +181,7 @@ def test_a_draft_split_by_another_path_is_refused_with_the_setting():
 # bf16: the only dtype vLLM's CPU GDN path runs. Greedy outputs are compared as equal up
 # to the first bf16 near-tie (hybrid_fixtures.assert_equal_up_to_near_ties; docs/hybrid.md,
 # "Exactness on CPU").
-ENGINE_KW = dict(dtype="bfloat16", max_num_seqs=16, max_model_len=2048)
+ENGINE_KW = PLAIN_KW  # hybrid_fixtures: the plain engine is shared with test_hybrid_engine
 
 
 def _engine(target_dir, spec=None, **kw):
@@ -220,13 +222,13 @@ def reference(pair):
 
 
 @pytest.fixture(scope="module")
-def greedy_want(pair):
+def greedy_want(engines, pair):
+    """Plain vLLM's greedy tokens, from the session's plain engine on this target (shared
+    with tests/test_hybrid_engine.py, which runs first; shut down here, its last user)."""
     prompts, params = greedy_workload()
-    llm = _engine(pair.target_dir)
-    try:
-        want = tokens_of(llm.generate(prompts, params))
-    finally:
-        _close(llm)
+    llm = engines.get(pair.target_dir, **PLAIN_KW)
+    want = tokens_of(llm.generate(prompts, params))
+    engines.release(llm)
     return prompts, params, want
 
 
@@ -234,8 +236,11 @@ def greedy_want(pair):
 @pytest.mark.parametrize("window,prefix_caching,structure", [
     # window >= max_model_len: allocated as full attention, in the target's attention
     # group (3 + 3 layers, no padding; vLLM's own grouping: 6 groups, the draft in two)
-    (8192, False, "2 groups of 3 slots: target state x 1 (3 layers), target + draft full "
-                  "attention x 1 (3 layers); padding none; draft layers in 1 group(s)"),
+    # (`full` tier: the default tier keeps the sliding-window group below)
+    pytest.param(
+        8192, False, "2 groups of 3 slots: target state x 1 (3 layers), target + draft full "
+                     "attention x 1 (3 layers); padding none; draft layers in 1 group(s)",
+        marks=pytest.mark.full),
     # window < the prompts: a sliding-window group; the draft's two layers need groups
     # of two, so one GDN and the attention slot go unused (the least KV per request)
     (64, True, "4 groups of 2 slots: target state x 2 (2+1 layers), target full attention "
@@ -243,7 +248,7 @@ def greedy_want(pair):
                "state, 1 target full attention; draft layers in 1 group(s)"),
 ], ids=["window8192", "window64-prefix_caching"])
 def test_sliding_window_drafter_on_the_hybrid_target_equals_plain_vllm(
-        pair, reference, greedy_want, tmp_path_factory, capfd, window, prefix_caching,
+        engines, pair, reference, greedy_want, tmp_path_factory, capfd, window, prefix_caching,
         structure):
     """The engine starts with the groups the plan gives (the plugin's log line), decodes
     32 greedy requests of 3..300 prompt tokens like plain vLLM (up to bf16 near-ties,
@@ -263,14 +268,11 @@ def test_sliding_window_drafter_on_the_hybrid_target_equals_plain_vllm(
 
     prompts, params, want = greedy_want
     capfd.readouterr()
-    llm = _engine(pair.target_dir, dspine_spec(draft_dir, dspine_verify="fixed"),
-                  enable_prefix_caching=prefix_caching)
-    try:
+    with engines.private(pair.target_dir, dspine_spec(draft_dir, dspine_verify="fixed"),
+                         **{**ENGINE_KW, "enable_prefix_caching": prefix_caching}) as llm:
         log = capfd.readouterr()
         outs = llm.generate(prompts, params)
         counters = spec_decode_counters(llm)
-    finally:
-        _close(llm)
     assert f"vllm-dspine KV cache groups: {structure}" in log.out + log.err
     accepted, per_pos = counters[NUM_ACCEPTED], counters[ACCEPTED_PER_POS]
     print(f"window {window}: accepted {accepted}, per position {per_pos}")
