@@ -108,8 +108,8 @@ def test_dspine_on_smollm2_is_exact_and_accepts(engines, pair, plain_code_output
     assert tau >= 1.5, f"mean acceptance length {tau:.2f}"
 
 
-# Full tier: its own engine (~66 s on one core); the tiny pair's lookup identity and exact
-# law stay in the default tier (tests/test_lookup_engine.py).
+# Full tier: its own engine (~66 s on one core); so are the tiny pair's lookup identity and
+# exact law (tests/test_lookup_engine.py).
 @pytest.mark.full
 @pytest.mark.engine
 def test_dspine_with_lookup_on_smollm2_is_exact(engines, pair, plain_code_outputs):

@@ -6,6 +6,11 @@ the files (same torch, same widest vector unit: the record's `machine`) it repea
 bit for bit, and that is asserted. Elsewhere float rounding may differ in the last bits
 and grow over the steps; there the fresh drafter must reach the committed one's held-out
 acceptance (greedy with the tail, within 10 %) instead.
+
+Both are in the `full` tier (docs/testing.md: changes under vllm_dspine/train/ run it);
+the default tier tests distillation itself (tests/test_train_tiny.py,
+tests/test_distill_loop.py) and uses the committed drafters, whose target hashes are
+checked whenever a pair is written (tests/trained_drafters.py).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ def _same_machine(kind: str) -> bool:
     return machine() == record(kind)["machine"]
 
 
+@pytest.mark.full  # ~58 s on a slow core; distillation itself: tests/test_train_tiny.py
 def test_tiny_drafter_distils_to_the_committed_one(tmp_path):
     pair, stats = distil_tiny(str(tmp_path), evaluate=not _same_machine("tiny"))
     _compare("tiny", pair, stats)
