@@ -50,11 +50,15 @@ def test_committed_drafter_is_small_bf16_with_its_record(tmp_path):
     for name, t in packed.items():
         if not name.startswith("bridge.codebook_row"):
             assert torch.equal(tensors[name], t), name
+    from vllm_dspine.train.__main__ import record_stages
+
     with open(os.path.join(COMMITTED_DRAFTER, "training.json")) as f:
-        record = json.load(f)
-    for key in ("command", "steps", "tokens", "loss_last50", "held_out"):
-        assert key in record, key
-    assert record["loss_last50"] < record["loss_first"]  # it trained
+        stages = record_stages(json.load(f))
+    assert stages
+    for stage in stages:  # every stage of its history, each with what made it
+        for key in ("command", "steps", "loss_last50", "held_out"):
+            assert key in stage, key
+        assert stage["loss_last50"] < stage["loss_first"]  # it trained
 
 
 def test_pair_fits_and_is_reused(pair, capsys):
