@@ -66,6 +66,9 @@ def test_corpus_shards_round_trip(corpus_dir, target):
     m = C.read_manifest(corpus_dir)
     assert [s["file"] for s in m["shards"]] == ["shard-00000.npz", "shard-00001.npz"]
     assert m["shards"][0]["by_source"] == {"self": 1, "debian": 1, "python": 1, "docs": 1}
+    # `--shards N` (features and training alike) takes the first N in the order added
+    assert C.first_shards(corpus_dir) == ["shard-00000.npz", "shard-00001.npz"]
+    assert C.first_shards(corpus_dir, 1) == ["shard-00000.npz"]
 
 
 def test_shard_prompts_take_shares_and_never_repeat():

@@ -116,12 +116,12 @@ def load_corpus_data(corpus_dir: str, store: str, limit_shards: int | None = Non
     """The corpus shards that have features in `store` (of the corpus's first
     `limit_shards` when given), with their features (memory-mapped), top-k ids and
     log-probabilities per sequence."""
-    from vllm_dspine.train.corpus import Corpus, read_manifest
+    from vllm_dspine.train.corpus import Corpus, first_shards
     from vllm_dspine.train.feature_store import FeatureStore
 
     shards = FeatureStore.shards_in(store)
     if limit_shards is not None:
-        first = [s["file"] for s in read_manifest(corpus_dir)["shards"]][:limit_shards]
+        first = first_shards(corpus_dir, limit_shards)
         shards = [s for s in shards if s in first]
     corpus = Corpus(corpus_dir, shards)
     fs = FeatureStore(store, shards)

@@ -99,6 +99,13 @@ def read_manifest(folder: str) -> dict:
         return json.load(f)
 
 
+def first_shards(folder: str, n: int | None = None) -> list[str]:
+    """The file names of a corpus's shards in the order they were added; the first `n`
+    when given (`--shards N`: the same N shards for features and training)."""
+    names = [s["file"] for s in read_manifest(folder)["shards"]]
+    return names if n is None else names[:n]
+
+
 # ------------------------------------------------------------------- vocabulary coverage
 def coverage_vocab(token_lists, coverage: float, vocab_size: int):
     """The most frequent tokens until `coverage` of all tokens is covered.  -> sorted [V']

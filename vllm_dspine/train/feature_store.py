@@ -27,7 +27,7 @@ import time
 import numpy as np
 import torch
 
-from vllm_dspine.train.corpus import Corpus, read_manifest
+from vllm_dspine.train.corpus import Corpus, first_shards
 from vllm_dspine.train.target_data import _capture_layer_outputs, padded_batches
 
 STORE_FORMAT = 1
@@ -106,10 +106,7 @@ def build_store(target_dir: str, corpus_dir: str, store: str, layer_ids: tuple[i
                              f"top-{index['topk']}; asked for {list(layer_ids)}, top-{topk}: "
                              f"use another --store folder")
     done = {s["shard"] for s in index["shards"]}
-    shards = [s["file"] for s in read_manifest(corpus_dir)["shards"]]
-    if limit_shards is not None:
-        shards = shards[:limit_shards]
-    todo = [s for s in shards if s not in done]
+    todo = [s for s in first_shards(corpus_dir, limit_shards) if s not in done]
     if not todo:
         return index
     model = load_target(target_dir)
