@@ -17,6 +17,14 @@ def engine_env() -> None:
     set_cpu_defaults()
 
 
+# The tiny pair's injected cost model (`dspine_verify_cost`, docs/serving.md): a
+# verification step costs 20 ms plus 0.02 ms a target token, the drafter 5 ms. At the
+# batch sizes of tests/test_dynamic_engine.py and tests/test_robust_engine.py (which share
+# the engine) the policy then verifies some drafts of some requests, not all or none,
+# and the lengths it picks do not depend on the machine's load (a measured model's do).
+TINY_INJECTED_COST = {"step_s": 0.02, "token_s": 0.00002, "draft_s": 0.005}
+
+
 def dspine_spec(draft_dir: str, **extra) -> dict:
     return {"method": "dspine", "model": str(draft_dir),
             "num_speculative_tokens": DSPINE_K, **extra}

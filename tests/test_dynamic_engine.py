@@ -1,8 +1,18 @@
 """Dynamic verification through vLLM on CPU, on the distilled tiny pair: fewer drafts
 never change the output, the sparse q of a verified prefix is the one drawn, and (`full`
 tier, docs/testing.md says why) vLLM's batch-size schedule is exact and the draft KV
-stays right through steps that skip the block. Engines are expensive (~25 s each on 2 cores): they come from the session's
-registry (conftest.py: the plain engine and the default DSpine engine are shared with
+stays right through steps that skip the block.
+
+Tiers (docs/testing.md): the default tier keeps the greedy identity with the policy on
+an injected cost model (several verified lengths used); the `full` tier adds the sampled
+law with the policy (the default tier's sampled law against the exact law is
+tests/test_exact_distribution.py's), the greedy identity with the measured cost model
+(the default tier runs that model, the default settings, in tests/test_serve.py's
+`vllm serve`, whose counters must account for every answer), the schedule and the
+retrieval vocabulary.
+
+Engines are expensive (~35 s each on a slow core): they come from the session's registry
+(conftest.py: the plain engine and the injected-cost DSpine engine are shared with
 tests/test_robust_engine.py and the other modules of the tiny pair; the schedule and
 retrieval-vocabulary engines are private to their tests and shut down after them). Each
 engine reads its own metrics (the registry's `get_metrics`)."""
@@ -15,16 +25,17 @@ import os
 import pytest
 import torch
 
-from engine_utils import check_drafts_against_reference, dspine_spec, prompts_of_lengths
+from engine_utils import (TINY_INJECTED_COST, check_drafts_against_reference, dspine_spec,
+                          prompts_of_lengths)
 from exact_law import Case, check_follows, exact_marginals, load_float64_target
 from vllm_dspine.serving.metrics import spec_decode_counters
 
 pytestmark = pytest.mark.engine
 
-# Verification costs a fixed step part of 20 ms plus 0.02 ms a target token, the drafter
-# 5 ms: at the batch sizes below this makes the policy verify some drafts of some
-# requests, not all or none (and timing does not enter, unlike a measured model).
-INJECTED_COST = {"step_s": 0.02, "token_s": 0.00002, "draft_s": 0.005}
+# engine_utils.TINY_INJECTED_COST: at the batch sizes below the policy verifies some
+# drafts of some requests, not all or none (and timing does not enter, unlike a measured
+# model). The same engine serves tests/test_robust_engine.py.
+INJECTED_COST = TINY_INJECTED_COST
 SCHEDULE = [[1, 2, 15], [3, 8, 4], [9, 64, 0]]
 
 
@@ -97,6 +108,7 @@ def policy_law(pair):
     return exact_marginals(load_float64_target(pair.target_dir), POLICY_CASE, tokens=3)
 
 
+@pytest.mark.full  # the default tier's sampled law: tests/test_exact_distribution.py
 def test_sampled_distribution_is_exact_with_the_policy(dyn_llm, policy_law):
     """At temperature 0.35 the 2nd and 3rd generated tokens (those verification
     produces: accepted drafts of a shortened prefix, corrections, bonus tokens) follow the
@@ -138,6 +150,7 @@ def test_sampled_distribution_is_exact_with_the_policy(dyn_llm, policy_law):
 
 
 # ------------------------------------------------- the policy, measured cost model
+@pytest.mark.full  # an engine of its own (~37 s on a slow core); docstring above
 def test_greedy_identical_with_the_measured_policy(engines, pair, plain_llm):
     """The default settings (cost measured on this engine while it runs): greedy output
     identical to plain decoding for 24 prompts (float32: whatever lengths the policy

@@ -1,6 +1,8 @@
 """What vLLM users combine with speculation, each exact against plain decoding (or
-refused with a message), through one DSpine engine with the default settings (dynamic
-verification) and one plain engine over the same tiny pair (both from the session's
+refused with a message), through one DSpine engine with dynamic verification (the
+default), its cost model injected (engine_utils.TINY_INJECTED_COST: the policy verifies
+lengths that vary by request and step as with the measured model, but not with the
+machine's load), and one plain engine over the same tiny pair (both from the session's
 registry, conftest.py: shared with tests/test_dynamic_engine.py and the other modules of
 the tiny pair).
 
@@ -20,7 +22,7 @@ import re
 
 import pytest
 
-from engine_utils import dspine_spec, prompts_of_lengths
+from engine_utils import TINY_INJECTED_COST, dspine_spec, prompts_of_lengths
 
 pytestmark = pytest.mark.engine
 
@@ -39,7 +41,8 @@ def plain_llm(engines, pair):
 
 @pytest.fixture
 def spec_llm(engines, pair):
-    return engines.get(pair.target_dir, dspine_spec(pair.draft_dir),
+    return engines.get(pair.target_dir,
+                       dspine_spec(pair.draft_dir, dspine_verify_cost=TINY_INJECTED_COST),
                        max_model_len=MAX_MODEL_LEN)
 
 
