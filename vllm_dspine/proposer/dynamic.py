@@ -94,6 +94,12 @@ DRAFTER_VALUE_EW = 0.1
 LOG_EVERY_S = 30.0
 # Where a request's drafts come from (`dspine_lookup`, docs/lookup.md).
 DRAFTER, LOOKUP = 0, 1
+# The lookup's floor (`lookup_floor`, docs/lookup.md "Concurrency above 1"): a straight
+# line through the last steps' times against their target tokens, each step weighted
+# LINE_DECAY more than the one before (~30 steps), used once its weight reaches
+# LINE_MIN_WEIGHT (about 8 steps).
+LINE_DECAY = 0.97
+LINE_MIN_WEIGHT = 8.0
 
 
 def _pad(a: np.ndarray, width: int) -> np.ndarray:
@@ -336,6 +342,11 @@ class DynamicVerifier:
         # Accepted drafts the policy expected per request from the drafter where it
         # chose the drafter's drafts (exponentially weighted; `lookup_replaces_drafter`).
         self.drafter_value: float | None = None
+        # ... and the drafts it verified per such request (what those cost to verify).
+        self.drafter_drafts: float | None = None
+        # The last steps' times against their target tokens, a straight line
+        # (`lookup_floor`); the curve `step_cost` keeps is what the rest of the policy reads.
+        self.step_line = EWLinear(LINE_DECAY)
         self.max_batch_tokens = max_batch_tokens
         self.clock = clock
         self.threshold: float | None = None
@@ -385,7 +396,14 @@ class DynamicVerifier:
         num_tokens: tokens of that step's target forward."""
         now = self.clock()
         if self._t_end is not None and self.injected is None and self._prev_ids & set(req_ids):
-            self.step_cost.observe(num_tokens, now - self._t_end)
+            seconds = now - self._t_end
+            # The line sees decode steps only (a prefill's thousand tokens would set its
+            # slope alone) and, as the curve, no idle gaps.
+            if 0 < num_tokens <= len(req_ids) * (self.K + 1) and seconds > 0 and not (
+                    self.step_cost.ready and seconds > 4 * float(
+                        self.step_cost.step_seconds(num_tokens)) + 0.05):
+                self.step_line.observe(num_tokens, seconds)
+            self.step_cost.observe(num_tokens, seconds)
         self._req_ids = list(req_ids)
         self._observed = {} if rejected is None else {
             rid: (int(n), max(int(n) - int(r), 0))
@@ -483,8 +501,9 @@ class DynamicVerifier:
             live = caps_all > 0
             rho_without = None  # the best rate of this step without the drafter
             if lookup is not None and lookup.any:
-                GL = self.lookup_gains(lookup, greedy)
-                capsL = np.where(policy, np.minimum(caps_all, lookup.lengths), 0)
+                GL = self.lookup_gains(lookup, greedy, int(live.sum()))
+                capsL = np.where(policy, np.minimum(np.minimum(caps_all, lookup.lengths),
+                                                 (GL > 0).sum(1)), 0)
                 use = self._prefer_lookup(G, caps, GL, capsL, greedy, policy)
                 if use.any():
                     width = max(rows, GL.shape[1])
@@ -514,8 +533,11 @@ class DynamicVerifier:
             mine = policy & (caps_all > 0) & (source == DRAFTER)
             if mine.any():
                 v = float(expected[mine].mean())
+                n = float(lengths[mine].mean())
                 self.drafter_value = v if self.drafter_value is None else (
                     self.drafter_value + DRAFTER_VALUE_EW * (v - self.drafter_value))
+                self.drafter_drafts = n if self.drafter_drafts is None else (
+                    self.drafter_drafts + DRAFTER_VALUE_EW * (n - self.drafter_drafts))
             self.skip.record(req_ids, pays,
                              shortfall=1.0 - choice.rho_draft / max(rho_other, 1e-12),
                              calibrated=self.calibrator.trials.sum() >= CALIBRATED_TRIALS)
@@ -527,12 +549,41 @@ class DynamicVerifier:
         return lengths
 
     # --------------------------------------------------------------- lookup
-    def lookup_gains(self, lookup: LookupBatch, greedy: np.ndarray) -> np.ndarray:
+    def lookup_gains(self, lookup: LookupBatch, greedy: np.ndarray,
+                     num_live: int | None = None) -> np.ndarray:
         """G of the lookup's drafts [R, K]: the lookup calibrator's acceptance of each
-        draft, cumulated; 0 past each request's lookup length."""
+        draft, cumulated; 0 past each request's lookup length and where G is below
+        `lookup_floor(num_live)` (num_live: the requests committing a token this step,
+        default R)."""
         alpha = np.clip(self.lookup_calibrator.predict(lookup.conf, greedy), 0.0, 1.0)
         within = np.arange(lookup.conf.shape[1])[None, :] < lookup.lengths[:, None]
-        return np.where(within, np.cumprod(alpha, axis=1), 0.0)
+        G = np.where(within, np.cumprod(alpha, axis=1), 0.0)
+        floor = self.lookup_floor(len(lookup.lengths) if num_live is None else num_live)
+        return np.where(G >= floor, G, 0.0) if floor > 0 else G
+
+    def lookup_floor(self, num_live: int) -> float:
+        """The least expected gain a lookup draft needs to be verified with `num_live`
+        requests in the step: plain decoding's rate times the marginal cost of one more
+        verified token, R b / (a + b R + context-only time), with a + b N the straight
+        line through the last steps' times (`step_line`; the injected line when the cost
+        is injected). Under a cost line the step's best rate is at least plain's, so a
+        draft worth less lowers it whatever else is verified; the measured curve's own
+        slope between R and the N the policy visits may be off (its speed factor takes
+        most of a change seen at the visited N, so the rarely visited plain point drifts
+        with it, docs/lookup.md), the line is refitted on every step. 0 (no floor)
+        before the line has LINE_MIN_WEIGHT of steps with varying N, or where its slope
+        is not positive (a dip of a CPU's curve at small N)."""
+        if num_live <= 0:
+            return 0.0
+        if self.injected is not None:
+            line = (self.injected.step_s, self.injected.token_s)
+        else:
+            line = self.step_line.line(LINE_MIN_WEIGHT)
+        if line is None or not line[1] > 0:
+            return 0.0
+        a, b = line
+        plain = a + b * num_live + self.context_seconds(num_live)
+        return num_live * b / plain if plain > 0 else 0.0
 
     def _prefer_lookup(self, G: np.ndarray, caps: np.ndarray, GL: np.ndarray,
                        capsL: np.ndarray, greedy: np.ndarray, policy: np.ndarray
@@ -575,14 +626,23 @@ class DynamicVerifier:
             return False
         R = int(live.sum())
         greedy = kinds == GREEDY
-        GL = self.lookup_gains(lookup, greedy)
+        GL = self.lookup_gains(lookup, greedy, R)
         within = np.arange(GL.shape[1])[None, :] < np.minimum(caps, lookup.lengths)[:, None]
         lam = self.threshold or 0.0
-        take = within & (GL >= lam)
+        take = within & (GL >= lam) & (GL > 0)
         E = np.where(take, GL, 0.0).sum(1)[live]
-        T = float(self.step_cost.step_seconds(R + int(take[live].sum())))
-        with_drafter = (R + np.maximum(E, self.drafter_value).sum()) / (
-            T + self.draft_seconds(R * (min(self.row_budget, self.K) + 1)))
+        n_look = take[live].sum(1)
+        # Where the drafter's value beats the lookup's, its drafts are verified instead:
+        # its tokens and its drafts' verification (drafter_drafts per request; before
+        # that is known, as many as it is expected to have accepted).
+        value = self.drafter_value
+        n_draft = self.drafter_drafts if self.drafter_drafts is not None else value
+        use_d = value > E
+        T_with = float(self.step_cost.step_seconds(
+            R + float(np.where(use_d, n_draft, n_look).sum())))
+        with_drafter = (R + np.where(use_d, value, E).sum()) / (
+            T_with + self.draft_seconds(R * (min(self.row_budget, self.K) + 1)))
+        T = float(self.step_cost.step_seconds(R + int(n_look.sum())))
         without = (R + E.sum()) / (T + self.context_seconds(R))
         return bool(without >= with_drafter)
 
@@ -598,8 +658,9 @@ class DynamicVerifier:
         greedy = kinds == GREEDY
         policy = kinds != AT_CAP
         if lookup is not None and lookup.any and self.ready:
-            GL = self.lookup_gains(lookup, greedy)
-            capsL = np.where(policy, np.minimum(caps, lookup.lengths), 0)
+            GL = self.lookup_gains(lookup, greedy, int(live.sum()))
+            capsL = np.where(policy, np.minimum(np.minimum(caps, lookup.lengths),
+                                              (GL > 0).sum(1)), 0)
             context_s = self.context_seconds(R)
             choice = choose_lengths(GL, capsL, np.where(policy, kinds, AT_CAP),
                                     self.threshold, self.step_cost.step_seconds,

@@ -150,6 +150,16 @@ class EWLinear:
         self._s *= self.decay
         self._s += np.array([1.0, x, x * x, y, x * y])
 
+    def line(self, min_weight: float = 0.0) -> tuple[float, float] | None:
+        """(a, b) of the fit; None before `min_weight` of (decayed) observations or
+        where x has not varied (no slope to fit)."""
+        w, sx, sxx, sy, sxy = self._s
+        det = w * sxx - sx * sx
+        if w < max(min_weight, 1e-12) or det <= 1e-9 * max(w * sxx, 1e-30):
+            return None
+        b = (w * sxy - sx * sy) / det
+        return (sy - b * sx) / w, b
+
     def __call__(self, x: float) -> float:
         w, sx, sxx, sy, sxy = self._s
         if w <= 0:

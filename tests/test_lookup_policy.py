@@ -1,0 +1,216 @@
+"""The dynamic policy's choice of lookup drafts at concurrency above 1 (`dspine_lookup`,
+docs/lookup.md "Concurrency above 1"), without an engine: the floor a lookup draft's
+calibrated gain must clear (`DynamicVerifier.lookup_floor`), fitted on the steps the
+policy saw, and the drafter's verification in the estimate of a step without it
+(`lookup_replaces_drafter`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine_utils import engine_env
+
+engine_env()
+
+from vllm_dspine.proposer.dynamic import (  # noqa: E402
+    GREEDY,
+    SAMPLED,
+    DynamicVerifier,
+    choose_lengths,
+)
+from vllm_dspine.proposer.lookup import LookupBatch  # noqa: E402
+from vllm_dspine.proposer.step_cost import InjectedStepCost  # noqa: E402
+
+K = 15
+MATCH4 = 0.75  # the lookup's confidence of a 4-token match (lookup.py)
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def _lookup(lengths, conf=MATCH4) -> LookupBatch:
+    R = len(lengths)
+    drafts = np.full((R, K), -1, dtype=np.int64)
+    c = np.zeros((R, K))
+    for i, n in enumerate(lengths):
+        drafts[i, :n] = 7
+        c[i, :n] = conf
+    return LookupBatch(drafts, np.array(lengths, dtype=np.int64), c)
+
+
+def _calibrate_lookup(v: DynamicVerifier, alpha: float, n: int = 2000, seed: int = 0) -> None:
+    """The lookup calibrator sees verifications of 15 drafts (4-token matches), greedy
+    and sampled, each accepted with probability `alpha` given the earlier ones were."""
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        acc = 0
+        while acc < K and rng.random() < alpha:
+            acc += 1
+        v.lookup_calibrator.observe(np.full(K, MATCH4), True, acc, K)
+        v.lookup_calibrator.observe(np.full(K, MATCH4), False, acc, K)
+
+
+def _run_steps(v: DynamicVerifier, clock: FakeClock, R: int, seconds_of, Ns) -> None:
+    """Engine steps of N target tokens each (Ns), timed by seconds_of(N), through the
+    policy as the proposer calls it for steps without a block (what the measured cost
+    model and the line learn from)."""
+    ids = [f"r{i}" for i in range(R)]
+    kinds, caps = np.full(R, GREEDY), np.full(R, K)
+    for N in Ns:
+        clock.t += seconds_of(N)
+        v.begin(ids, [0] * R, None, int(N))
+        v.plan(kinds, caps)
+        clock.t += 0.002  # the context-only write
+        v.context_only(caps)
+        v.end(ids, drafted=False)
+
+
+def _true_rate(lengths, G, R, seconds_of, ctx=0.002) -> float:
+    """Expected committed tokens per second of a step verifying `lengths` with gains G
+    under the true step time."""
+    gain = sum(G[i, :n].sum() for i, n in enumerate(lengths))
+    return (R + gain) / (seconds_of(R + int(np.sum(lengths))) + ctx)
+
+
+def _measured_verifier(R: int, first, then, steps_first=300, steps_then=150):
+    """A verifier whose measured cost model saw `steps_first` steps timed by `first`
+    over N = R .. 5R, then `steps_then` by `then` over N = 2R .. 4R only (the plain
+    point N = R not visited again, as where the policy verifies drafts every step)."""
+    clock = FakeClock()
+    v = DynamicVerifier(K, None, clock=clock)
+    v.draft_cost.observe(R * 3, 0.02)  # the drafter's time is known (v.ready)
+    rng = np.random.default_rng(1)
+    _run_steps(v, clock, R, first, rng.integers(R, 5 * R + 1, steps_first))
+    _run_steps(v, clock, R, then, rng.integers(2 * R, 4 * R + 1, steps_then))
+    assert v.ready
+    return v
+
+
+def test_batch_of_8_does_not_verify_lookup_drafts_below_the_marginal_cost():
+    """Concurrency 8, lookup drafts accepted 35 % each (calibrated): under the step time
+    the engine now has (a 12 ms verified token over a 100 ms step, as on the slow CPU)
+    a draft must be accepted 48 % of the time to pay, so none is verified; the measured
+    curve alone, which learned a cheaper token (2 ms) earlier (greedy steps before
+    sampled ones, say) and whose speed factor absorbed most of the change at the N
+    visited since, puts the break-even below 25 %: it would verify them and lower the
+    batch's true rate. At 60 % acceptance the first drafts pay and are taken."""
+    R = 8
+    first = lambda n: 0.1 + 0.002 * n  # noqa: E731
+    now = lambda n: 0.1 + 0.012 * n  # noqa: E731
+    v = _measured_verifier(R, first, now)
+    _calibrate_lookup(v, 0.35)
+    ids, kinds, caps = [f"r{i}" for i in range(R)], np.full(R, GREEDY), np.full(R, K)
+    look = _lookup([K] * R)
+
+    floor = v.lookup_floor(R)
+    true_floor = R * 0.012 / (0.1 + 0.012 * R + 0.002)
+    assert abs(floor - true_floor) < 0.04, (floor, true_floor)
+    # The curve's own break-even between R and 3R: what speed absorbed left it at ~0.18.
+    T = v.step_cost.step_seconds
+    assert R / T(R) * (T(3 * R) - T(R)) / (2 * R) < 0.25
+    alpha = v.lookup_calibrator.predict(look.conf, kinds == GREEDY)
+    G_raw = np.cumprod(alpha, axis=1)
+    assert 0.30 < G_raw[0, 0] < floor - 0.05  # calibrated below the marginal cost
+
+    # The curve alone (no floor) takes lookup drafts, and they lower the true rate.
+    ctx = v.context_seconds(R)
+    raw = choose_lengths(G_raw, caps, kinds, None, v.step_cost.step_seconds, ctx, ctx,
+                         1 << 30)
+    assert raw.lengths.sum() >= R
+    assert _true_rate(raw.lengths, G_raw, R, now) < _true_rate(np.zeros(R, int), G_raw, R, now)
+
+    # The policy: none, in a step without the drafter and in a drafted one.
+    lengths = v.choose_lookup_only(ids, kinds, caps, look)
+    assert lengths.sum() == 0
+    v.begin(ids, [0] * R, None, R)
+    plan = v.plan(kinds, caps)
+    v.drafter_value = 0.0
+    assert plan.draft
+    lengths = v.choose(ids, kinds, caps, np.full((R, plan.rows), 0.05), plan, look)
+    assert (lengths[v.last_source == 1] == 0).all()
+
+    # Sampled requests: the same floor (from past steps only, so still lossless).
+    sampled = np.full(R, SAMPLED)
+    assert v.choose_lookup_only(ids, sampled, caps, look).sum() == 0
+
+    # Drafts that cover the marginal cost are still verified, and pay.
+    v.lookup_calibrator = type(v.lookup_calibrator)(K)
+    _calibrate_lookup(v, 0.6)
+    lengths = v.choose_lookup_only(ids, kinds, caps, look)
+    assert (lengths >= 1).all()
+    G = v.lookup_gains(look, kinds == GREEDY, R)
+    assert _true_rate(lengths, G, R, now) > _true_rate(np.zeros(R, int), G, R, now)
+
+
+def test_concurrency_1_still_takes_the_lookup_where_it_pays():
+    """One request, the same machine (12 ms a verified token over a 100 ms step): the
+    floor is ~0.1 (where the fixed cost of a step dominates, a draft accepted one time in
+    ten pays), so the policy verifies what it verified without the floor: a HumanEval-like
+    copy (each draft accepted 90 %) to 8 drafts or more, one accepted 45 % to 2 or more."""
+    R = 1
+    now = lambda n: 0.1 + 0.012 * n  # noqa: E731
+    v = _measured_verifier(R, now, now, steps_first=200, steps_then=40)
+    floor = v.lookup_floor(1)
+    assert 0.08 < floor < 0.14, floor
+    ids, kinds, caps = ["r0"], np.full(1, GREEDY), np.full(1, K)
+    look = _lookup([K])
+    for alpha, least in ((0.9, 8), (0.45, 2)):
+        v.lookup_calibrator = type(v.lookup_calibrator)(K)
+        _calibrate_lookup(v, alpha)
+        G_raw = np.cumprod(v.lookup_calibrator.predict(look.conf, kinds == GREEDY), axis=1)
+        ctx = v.context_seconds(R)
+        raw = choose_lengths(G_raw, caps, kinds, None, v.step_cost.step_seconds, ctx, ctx,
+                             1 << 30).lengths
+        lengths = v.choose_lookup_only(ids, kinds, caps, look)
+        assert lengths[0] == raw[0] >= least, (alpha, lengths, raw)
+
+
+def test_floor_is_off_until_the_line_is_fitted_and_for_a_falling_line():
+    """No floor before the line has seen enough steps with varying N, nor where the
+    steps' time falls with N (a dip of a CPU's GEMM curve at small N); an injected cost
+    gives its own line."""
+    clock = FakeClock()
+    v = DynamicVerifier(K, None, clock=clock)
+    assert v.lookup_floor(8) == 0.0
+    _run_steps(v, clock, 8, lambda n: 0.2, [8] * 50)  # N never varied: no slope
+    assert v.lookup_floor(8) == 0.0
+    _run_steps(v, clock, 8, lambda n: 0.3 - 0.002 * n, list(range(8, 40)) * 2)
+    assert v.lookup_floor(8) == 0.0
+    w = DynamicVerifier(K, InjectedStepCost(step_s=0.1, token_s=0.01, draft_s=0.01))
+    assert abs(w.lookup_floor(8) - 8 * 0.01 / 0.18) < 1e-9
+
+
+def test_replacing_the_drafter_counts_the_verification_of_its_drafts():
+    """Concurrency 8, no continuation for half the requests: the drafter's drafts there
+    are worth 1.5 tokens a request but take 3 verified drafts each (36 ms at 12 ms a
+    token, on a ~0.5 s step: more than 1.5 tokens' worth): the step is faster without
+    the drafter. Counting its value as free (the first rule) kept the drafter; with its
+    drafts cheap to verify (1 ms a token) it is kept."""
+    R = 8
+    dear = InjectedStepCost(step_s=0.1, token_s=0.012, draft_s=0.01)
+    v = DynamicVerifier(K, dear)
+    _calibrate_lookup(v, 0.9)
+    ids, kinds, caps = [f"r{i}" for i in range(R)], np.full(R, GREEDY), np.full(R, K)
+    look = _lookup([6, 0] * 4)
+    v.begin(ids, [0] * R, None, R)
+    plan = v.plan(kinds, caps)
+    v.drafter_value, v.drafter_drafts = 1.5, 3.0
+    assert v.lookup_replaces_drafter(plan, kinds, look)
+    # What the first rule estimated: the drafter's value at no verification cost.
+    GL = v.lookup_gains(look, kinds == GREEDY, R)
+    E = GL.sum(1)
+    T = float(dear.step_seconds(R + int((GL > 0).sum())))
+    old_with = (R + np.maximum(E, 1.5).sum()) / (T + dear.draft_s)
+    old_without = (R + E.sum()) / T
+    assert old_with > old_without
+    cheap = DynamicVerifier(K, InjectedStepCost(step_s=0.1, token_s=0.001, draft_s=0.01))
+    cheap.lookup_calibrator = v.lookup_calibrator
+    cheap.begin(ids, [0] * R, None, R)
+    plan = cheap.plan(kinds, caps)
+    cheap.drafter_value, cheap.drafter_drafts = 1.5, 3.0
+    assert not cheap.lookup_replaces_drafter(plan, kinds, look)
