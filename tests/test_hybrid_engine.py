@@ -2,11 +2,11 @@
 against plain vLLM on the same target: greedy outputs equal up to bf16 near-ties, with
 dynamic (an injected cost model: the verified lengths do not depend on the machine's
 load) and fixed verification, under preemption, and with prefix caching (block-boundary
-states). Plain vLLM against transformers' fp32 model first. Preemption and prefix caching
-are in the `full` tier (docs/testing.md), and so is the greedy identity with fixed
-verification: the default tier's fixed-verification identity on this target is
-tests/test_hybrid_sliding_window.py's (the same workload, the same replay commit, the
-drafter in a sliding-window group).
+states). Plain vLLM against transformers' fp32 model first. Only that plain check is in
+the default tier (docs/testing.md); the rest is in `full`. The default tier's DSpine
+greedy identity on this target is tests/test_hybrid_sliding_window.py's: the same
+workload, the same replay commit, the same dynamic policy on INJECTED_COST with prefix
+caching on, with the drafter in a sliding-window group of its own (one engine for both).
 
 The trained pair is conftest.py's `hybrid_trained_pair` (the committed distilled
 drafter); what the hybrid modules share is in tests/hybrid_fixtures.py; engines come
@@ -18,26 +18,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_fixtures import (PLAIN_KW, assert_equal_up_to_near_ties, engine_kw,
-                             engine_metric, greedy_workload, tokens_of)
+from hybrid_fixtures import (INJECTED_COST, PLAIN_KW, assert_equal_up_to_near_ties,
+                             engine_kw, engine_metric, greedy_workload, tokens_of)
 from hybrid_fixtures import offline  # noqa: F401 - autouse: no model hub
 from vllm_dspine.serving.metrics import ACCEPTED_PER_POS, NUM_ACCEPTED, spec_decode_counters
 
 # Greedy outputs are compared with plain vLLM's as equal up to the first bf16 near-tie
 # (hybrid_fixtures.NEAR_TIE, assert_equal_up_to_near_ties: why, and the measured gaps).
-
-
-# The dynamic policy with a cost model injected instead of measured (docs/serving.md,
-# `dspine_verify_cost`): a verification step costs 20 ms plus 0.02 ms a target token,
-# the drafter 1 ms. The lengths it verifies then follow the drafts' confidence and the
-# acceptance observed, not step times measured on a machine that may be busy (a measured
-# model made the greedy test fail once under load: it verified other lengths, which moved
-# the bf16 near-ties). Measured with this model on the workload below, twice: drafts
-# accepted at positions 1-3 [146, 13, 1] and [145, 14, 1], 124 and 96 of 714 request-steps
-# without drafts (with the drafter at 5 ms: [38, 4, 1], too few at position 2 for a
-# margin). The measured model's choices are tested without an engine
-# (tests/test_dynamic_policy.py, `test_measured_cost_*`).
-INJECTED_COST = {"step_s": 0.02, "token_s": 0.00002, "draft_s": 0.001}
+# The dynamic tests inject hybrid_fixtures.INJECTED_COST (why, and what it gave).
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +81,8 @@ def greedy_want(plain_llm):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("verify", ["dynamic", pytest.param("fixed", marks=pytest.mark.full)])
+@pytest.mark.full  # the default tier's identity: tests/test_hybrid_sliding_window.py's
+@pytest.mark.parametrize("verify", ["dynamic", "fixed"])
 def test_dspine_greedy_equals_plain_vllm(engines, trained_pair, greedy_want, reference,
                                          verify):
     """DSpine on the hybrid target (the replay commit), 32 requests of 3..300 prompt

@@ -13,7 +13,9 @@ sliding-window group of its own) starts and gives plain vLLM's greedy tokens up 
 near-ties, with drafts accepted, and (`full` tier) the larger window, every other mix
 of layer kinds and the sampled law. The default tier's engines: the plain one shared with
 tests/test_hybrid_engine.py (the session's registry, conftest.py) and the smaller
-window's.
+window's with the dynamic policy on an injected cost model and prefix caching, the
+default tier's only DSpine engine on the hybrid target (its greedy identity; the smaller
+window under fixed verification is in `full`).
 
 The greedy workload, the near-tie comparison and the two-sample check are those of the
 other hybrid modules (tests/hybrid_fixtures.py).
@@ -232,30 +234,40 @@ def greedy_want(engines, pair):
     return prompts, params, want
 
 
+# window >= max_model_len: allocated as full attention, in the target's attention group
+# (3 + 3 layers, no padding; vLLM's own grouping: 6 groups, the draft in two)
+FULL_ATTENTION_GROUPS = ("2 groups of 3 slots: target state x 1 (3 layers), target + draft "
+                         "full attention x 1 (3 layers); padding none; draft layers in 1 "
+                         "group(s)")
+# window < the prompts: a sliding-window group; the draft's two layers need groups of two,
+# so one GDN and the attention slot go unused (the least KV per request)
+WINDOW_GROUPS = ("4 groups of 2 slots: target state x 2 (2+1 layers), target full attention "
+                 "x 1 (1 layers), draft sliding window x 1 (2 layers); padding 1 target "
+                 "state, 1 target full attention; draft layers in 1 group(s)")
+
+
 @pytest.mark.engine
-@pytest.mark.parametrize("window,prefix_caching,structure", [
-    # window >= max_model_len: allocated as full attention, in the target's attention
-    # group (3 + 3 layers, no padding; vLLM's own grouping: 6 groups, the draft in two)
-    # (`full` tier: the default tier keeps the sliding-window group below)
-    pytest.param(
-        8192, False, "2 groups of 3 slots: target state x 1 (3 layers), target + draft full "
-                     "attention x 1 (3 layers); padding none; draft layers in 1 group(s)",
-        marks=pytest.mark.full),
-    # window < the prompts: a sliding-window group; the draft's two layers need groups
-    # of two, so one GDN and the attention slot go unused (the least KV per request)
-    (64, True, "4 groups of 2 slots: target state x 2 (2+1 layers), target full attention "
-               "x 1 (1 layers), draft sliding window x 1 (2 layers); padding 1 target "
-               "state, 1 target full attention; draft layers in 1 group(s)"),
-], ids=["window8192", "window64-prefix_caching"])
+@pytest.mark.parametrize("window,prefix_caching,structure,verify", [
+    # `full` tier: the larger window, and the smaller one under fixed verification
+    pytest.param(8192, False, FULL_ATTENTION_GROUPS, "fixed", marks=pytest.mark.full),
+    pytest.param(64, True, WINDOW_GROUPS, "fixed", marks=pytest.mark.full),
+    # the default tier's DSpine identity on the hybrid target (tests/test_hybrid_engine.py
+    # has the drafter without a window in `full`)
+    (64, True, WINDOW_GROUPS, "dynamic"),
+], ids=["window8192", "window64-prefix_caching", "window64-prefix_caching-dynamic"])
 def test_sliding_window_drafter_on_the_hybrid_target_equals_plain_vllm(
         engines, pair, reference, greedy_want, tmp_path_factory, capfd, window, prefix_caching,
-        structure):
+        structure, verify):
     """The engine starts with the groups the plan gives (the plugin's log line), decodes
-    32 greedy requests of 3..300 prompt tokens like plain vLLM (up to bf16 near-ties,
-    `dspine_verify` 'fixed') with drafts accepted at positions 1 and 2 (blocks partly
-    accepted and committed), with prefix caching (mamba cache mode 'align') for the
-    sliding-window group."""
+    32 greedy requests of 3..300 prompt tokens like plain vLLM (up to bf16 near-ties)
+    with drafts accepted at positions 1 and 2 (blocks partly accepted and committed),
+    with prefix caching (mamba cache mode 'align') for the sliding-window group;
+    `dspine_verify` 'fixed', or 'dynamic': the policy on hybrid_fixtures.INJECTED_COST
+    (the verified lengths do not depend on the machine's load), which also verifies
+    zero drafts on some steps, while requests with max_tokens 1..3 end within a block
+    (what tests/test_hybrid_engine.py checks with the drafter without a window)."""
     from engine_utils import dspine_spec
+    from hybrid_fixtures import INJECTED_COST, engine_metric
     from vllm_dspine.serving.metrics import ACCEPTED_PER_POS, NUM_ACCEPTED, spec_decode_counters
 
     draft_dir = _windowed_draft(pair.draft_dir, window, tmp_path_factory.mktemp("sw"))
@@ -268,15 +280,21 @@ def test_sliding_window_drafter_on_the_hybrid_target_equals_plain_vllm(
 
     prompts, params, want = greedy_want
     capfd.readouterr()
-    with engines.private(pair.target_dir, dspine_spec(draft_dir, dspine_verify="fixed"),
+    options = ({"dspine_verify_cost": INJECTED_COST} if verify == "dynamic"
+               else {"dspine_verify": "fixed"})
+    with engines.private(pair.target_dir, dspine_spec(draft_dir, **options),
                          **{**ENGINE_KW, "enable_prefix_caching": prefix_caching}) as llm:
         log = capfd.readouterr()
         outs = llm.generate(prompts, params)
         counters = spec_decode_counters(llm)
+        verified = engine_metric(llm, "vllm:dspine_verified_drafts")
     assert f"vllm-dspine KV cache groups: {structure}" in log.out + log.err
     accepted, per_pos = counters[NUM_ACCEPTED], counters[ACCEPTED_PER_POS]
-    print(f"window {window}: accepted {accepted}, per position {per_pos}")
+    print(f"window {window}, {verify}: accepted {accepted}, per position {per_pos}, "
+          f"zero-draft verifies {verified.buckets['0.0']} of {verified.count}")
     assert accepted > 0 and per_pos[1] > 0, (accepted, per_pos)  # 2+ drafts accepted
+    if verify == "dynamic":  # fixed verifies every draft vLLM schedules (none were cut here)
+        assert verified.buckets["0.0"] > 0, "no step verified zero drafts"
     assert [len(o.outputs[0].token_ids) for o in outs][:24:8] == [1, 2, 3]
     assert_equal_up_to_near_ties(reference, outs, want)
 
