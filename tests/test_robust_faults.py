@@ -2,6 +2,11 @@
 weights produce inf/NaN. Each DSpine engine is private to the one test that needs it
 (started and shut down by the session's registry, conftest.py); the shared plain engine
 over the same target is the reference for both.
+
+Tiers (docs/testing.md): preemption runs in the default tier; the NaN drafter (an engine
+for each verification mode) runs in `full`. That a NaN q is verified as q = 0 and the
+output then follows p is tested without an engine in the default tier
+(tests/test_verify_ref.py).
 """
 
 from __future__ import annotations
@@ -81,8 +86,9 @@ def _allowed_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     return logits >= kth - 1e-4
 
 
+@pytest.mark.full  # an engine of its own (~35 s on a slow core): docstring of the module
 @pytest.mark.parametrize("verify", [
-    pytest.param({"dspine_verify": "fixed"}, id="fixed", marks=pytest.mark.full),
+    pytest.param({"dspine_verify": "fixed"}, id="fixed"),
     pytest.param({}, id="dynamic-default"),
 ])
 def test_drafter_producing_nan_is_answered_by_the_target(engines, pair, plain_llm, tmp_path,
