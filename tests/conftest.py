@@ -9,6 +9,10 @@ engine test gets its engine from the session's `engines` registry (`EngineRegist
 one engine per configuration, shared by every module that asks for the same one, and
 shut down explicitly (when evicted, when a private engine's block ends, at the end of
 the session).
+
+Subprocesses (`vllm serve`, the fresh-interpreter probe of vLLM, the tiny CLI, the sm_90
+compilation, bench/gpu_check.py) start with the session's first test when a test of the
+session needs them (`_background_starts`), and run beside the modules without engines.
 """
 
 from __future__ import annotations
@@ -206,6 +210,106 @@ def _engines_of_this_module(request, engines):
     engines.module_is(request.module.__name__)
 
 
+# ------------------------------------------------- subprocesses started with the session
+# Each is a `background.Background` started by its session fixture (by
+# `_background_starts` when the session's first test runs, if a test of the session needs
+# it) and waited for by the test that reads it.
+@pytest.fixture(scope="session")
+def _fresh_vllm_probe(tmp_path_factory):
+    """tests/fresh_vllm.py's probe, started (`fresh_vllm` waits for it)."""
+    from engine_utils import engine_env
+    from fresh_vllm import start_fresh_probe
+
+    engine_env()
+    run = start_fresh_probe(tmp_path_factory.mktemp("fresh_vllm"))
+    yield run
+    run.stop()
+
+
+@pytest.fixture(scope="session")
+def fresh_vllm(_fresh_vllm_probe) -> dict:
+    """tests/fresh_vllm.py's probe of vLLM before any patch, in a fresh interpreter, once
+    per session (tests/test_vllm_patches.py, tests/test_step_profile.py): its JSON."""
+    from fresh_vllm import probe_result
+
+    return probe_result(_fresh_vllm_probe)
+
+
+@pytest.fixture(scope="session")
+def gpu_check_run(tmp_path_factory):
+    """`bench/gpu_check.py --small --device cpu` with vLLM made unimportable
+    (tests/test_gpu_check.py; its report in `out_dir`)."""
+    import sys
+    from pathlib import Path
+
+    from background import Background
+
+    out = tmp_path_factory.mktemp("gpu_check")
+    # `sys.modules["vllm"] = None` makes every `import vllm...` raise ImportError.
+    script = ("import runpy, sys; sys.modules['vllm'] = None; "
+              "sys.argv = ['bench/gpu_check.py'] + sys.argv[1:]; "
+              "runpy.run_path('bench/gpu_check.py', run_name='__main__')")
+    run = Background([sys.executable, "-c", script, "--small", "--device", "cpu",
+                      "--out", str(out)], out, env=dict(os.environ, TRITON_INTERPRET="1"),
+                     cwd=Path(__file__).resolve().parents[1])
+    yield run
+    run.stop()
+
+
+# `python -m vllm_dspine.pairs tiny` three times in one interpreter, as
+# tests/test_tiny_pair.py checks it: writes (2 distillation steps), reuses, then another
+# pair (3 steps) made anew. Prints one JSON line of what the test asserts on.
+TINY_CLI_RUNS = """
+import contextlib, io, json, os, sys
+import torch
+from vllm_dspine.model.checkpoint import load_draft_checkpoint
+from vllm_dspine.pairs.__main__ import main
+from vllm_dspine.pairs.tiny import write_tiny_pair
+
+root = sys.argv[1]
+out = os.path.join(root, "pair")
+draft = os.path.join(out, "draft", "model.safetensors")
+res = {"rc": [], "printed": [], "stamps": []}
+for steps in ("2", "2", "3"):
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        res["rc"].append(main(["tiny", "--out", out, "--steps", steps, "--log-every", "0"]))
+    res["printed"].append(buf.getvalue())
+    res["stamps"].append(os.stat(draft).st_mtime_ns if os.path.isfile(draft) else None)
+    if len(res["rc"]) == 1:  # the first pair: files, and a drafter that was distilled
+        res["target_file"] = os.path.isfile(os.path.join(out, "target", "model.safetensors"))
+        _, trained = load_draft_checkpoint(os.path.join(out, "draft"))
+        random = write_tiny_pair(os.path.join(root, "random"), seed=0)
+        _, untrained = load_draft_checkpoint(random.draft_dir)
+        res["distilled"] = not torch.equal(trained["fc.weight"], untrained["fc.weight"])
+print(json.dumps(res))
+"""
+
+
+@pytest.fixture(scope="session")
+def tiny_cli_run(tmp_path_factory):
+    """TINY_CLI_RUNS in a subprocess (tests/test_tiny_pair.py; the pair in `out_dir`)."""
+    import sys
+
+    from background import Background
+
+    out = tmp_path_factory.mktemp("tiny_cli")
+    run = Background([sys.executable, "-c", TINY_CLI_RUNS, str(out)], out,
+                     env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
+    yield run
+    run.stop()
+
+
+@pytest.fixture(scope="session")
+def kernel_compile_sm90(tmp_path_factory):
+    """tests/test_kernel_compile.py's compilation for sm_90 (its `rows`), started."""
+    from kernel_builds import start_compile
+
+    run = start_compile([90], tmp_path_factory.mktemp("kernel_compile_sm90"))
+    yield run
+    run.stop()
+
+
 # -------------------------------------------------------------------------- misc
 @pytest.fixture
 def one_thread():
@@ -275,8 +379,9 @@ def smollm2_pair(tmp_path_factory):
 def tiny_server(tmp_path_factory, tiny_trained_pair):
     """One `vllm serve` of the tiny pair with `--speculative-config` DSpine (the default
     settings, the distilled drafter) and engine_utils.SERVE_ARGS, for tests/test_serve.py
-    and the reference answers of tests/test_ray_serve.py; started on first use, not yet
-    up (`wait_up`), stopped at the end of the session."""
+    and the reference answers of tests/test_ray_serve.py; started when the session starts
+    if a test of the session uses it (`_tiny_server_starts_early`), not yet up
+    (`wait_up`), stopped at the end of the session."""
     from engine_utils import SERVE_ARGS, dspine_spec, engine_env
     from vllm_dspine.serving.openai_server import VllmServer
 
@@ -290,3 +395,29 @@ def tiny_server(tmp_path_factory, tiny_trained_pair):
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _background_starts(request):
+    """Work that runs in subprocesses of its own is started with the session's first test
+    when a test of the session needs it, so that it runs on the machine's other core
+    while the modules without engines run (they come first,
+    `pytest_collection_modifyitems`; most of them keep to one thread), instead of in the
+    setup of the test that first needs it:
+
+    - `tiny_server`: `vllm serve` takes ~60 s to come up on a slow machine (three
+      processes, each importing vLLM). It then waits idle until its tests run (the
+      engine modules between start engines of their own in this process; the
+      registry's `max_alive` does not count the server).
+    - `fresh_vllm`: tests/fresh_vllm.py's probe (~17 s, most of it importing vLLM).
+    - `gpu_check_run`: bench/gpu_check.py at toy sizes (~15 s).
+    - `tiny_cli_run`: the tiny pair's CLI, three runs with distillation (~30 s).
+    - `kernel_compile_sm90`: the Triton kernels compiled for sm_90 (~17 s warm, ~40 s
+      with Triton's cache cold).
+
+    On one core (`taskset -c 0`) this gains nothing and costs nothing but the order."""
+    needed = {name for item in request.session.items for name in item.fixturenames}
+    for fixture in ("tiny_server", "_fresh_vllm_probe", "gpu_check_run", "tiny_cli_run",
+                    "kernel_compile_sm90"):
+        if fixture in needed:
+            request.getfixturevalue(fixture)

@@ -5,9 +5,7 @@ travels (docs/gpu.md)."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -16,19 +14,14 @@ pytestmark = pytest.mark.triton
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
-# `sys.modules["vllm"] = None` makes every `import vllm...` raise ImportError.
-RUN = ("import runpy, sys; sys.modules['vllm'] = None; "
-       "sys.argv = ['bench/gpu_check.py'] + sys.argv[1:]; "
-       "runpy.run_path('bench/gpu_check.py', run_name='__main__')")
 
-
-def test_gpu_check_runs_without_vllm(tmp_path):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", RUN, "--small", "--device", "cpu",
-                           "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
+def test_gpu_check_runs_without_vllm(gpu_check_run):
+    """conftest.py's `gpu_check_run` (started with the session, in a subprocess):
+    `bench/gpu_check.py --small --device cpu` with `sys.modules["vllm"] = None`."""
+    done = gpu_check_run.wait(300)
+    out = gpu_check_run.out_dir
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "gpu_check.json").read_text())
     rows = report["rows"]
     assert all(r["ok"] is not False for r in rows), [r for r in rows if r["ok"] is False]
     names = " | ".join(r["name"] for r in rows)
@@ -37,7 +30,7 @@ def test_gpu_check_runs_without_vllm(tmp_path):
                  "dense Qwen3 layers", "DSpine's part"):
         assert part in names, part
     assert sum(r["ok"] is True for r in rows) >= 7
-    md = (tmp_path / "gpu_check.md").read_text()
+    md = (out / "gpu_check.md").read_text()
     assert "| part | what | check | ok |" in md and "Every check passed." in md
 
 

@@ -14,46 +14,17 @@ with Triton's cache warm for the three targets; the default tier compiles for sm
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
 import re
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
+from kernel_builds import compiled_rows, start_compile
+
 pytestmark = pytest.mark.triton
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-
-# argv[1]: the capabilities to compile for (JSON list); the fp8 retrieval case is compiled
-# (or refused) on every target whatever the list.
-SCRIPT = textwrap.dedent('''
-    import dataclasses
-    import json
-    import sys
-    from bench.lib.kernel_cases import CASES, compile_all
-
-    caps = set(json.loads(sys.argv[1]))
-    cases = [c if c.name == "fp8 retrieval" else dataclasses.replace(
-                 c, targets=tuple(t for t in c.targets if t.capability in caps))
-             for c in CASES]
-    rows = []
-    for r in compile_all(cases):
-        base = dict(case=r.case.name, dims=r.case.dims.name, cc=r.target.capability,
-                    refused=r.refused)
-        if r.refused:
-            rows.append(dict(base, kernel=None))
-        for b in r.builds:
-            rows.append(dict(base, kernel=b.kernel, regs=b.registers, local=b.local_bytes,
-                             smem=b.shared_bytes, limit=b.target.max_shared_bytes,
-                             fits=b.fits, wgmma="wgmma" in b.ptx))
-    print("ROWS " + json.dumps(rows))
-''')
-
 
 def package_kernels() -> set[str]:
     """Names of the `@triton.jit` kernels of the package (helpers start with `_`)."""
@@ -66,29 +37,18 @@ def package_kernels() -> set[str]:
     return names
 
 
-def _compile(caps: list[int]) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(caps)], env=env,
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
-        pytest.skip("this Triton install has no ptxas")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("ROWS "))
-    return json.loads(line[len("ROWS "):])
-
-
 # Default tier: every case for sm_90 (H100/H200, the wgmma paths), the fp8 retrieval case
 # on every target (its refusal on sm_80): 19 of the 37 case-target compilations of all
-# three targets, which the `full` tier compiles (`rows_all`).
+# three targets, which the `full` tier compiles (`rows_all`). The sm_90 compilation is
+# started with the session (conftest.py's `kernel_compile_sm90`, in a subprocess).
 @pytest.fixture(scope="module")
-def rows():
-    return _compile([90])
+def rows(kernel_compile_sm90):
+    return compiled_rows(kernel_compile_sm90)
 
 
 @pytest.fixture(scope="module")
-def rows_all():
-    return _compile([80, 89, 90])
+def rows_all(tmp_path_factory):
+    return compiled_rows(start_compile([80, 89, 90], tmp_path_factory.mktemp("kc_all")))
 
 
 def _check_every_kernel_compiles(rows, ccs) -> None:

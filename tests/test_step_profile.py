@@ -6,49 +6,21 @@ are wrapped, sections add up and the file is rewritten whole."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
-
-from engine_utils import engine_env
-
-CHECK = textwrap.dedent("""
-    import json, os, sys
-    from vllm_dspine.plugin.patches import apply_patch, is_applied
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    apply_patch("step-profile")
-    apply_patch("step-profile")  # twice: wrapped once
-    names = ["execute_model", "sample_tokens", "_model_forward", "_sample",
-             "propose_draft_token_ids"]
-    wrapped = {n: is_applied(getattr(GPUModelRunner, n), "step-profile") for n in names}
-    wrapped["finish_requests"] = is_applied(Scheduler.finish_requests, "step-profile")
-    once = GPUModelRunner.execute_model.__wrapped__
-    wrapped["once"] = not is_applied(once, "step-profile")
-    print(json.dumps(wrapped))
-""")
 
 
-def _run(env_extra: dict) -> dict:
-    engine_env()
-    env = dict(os.environ)
-    env.pop("VLLM_DSPINE_STEP_PROFILE", None)
-    env.update(env_extra)
-    out = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def test_nothing_is_wrapped_without_the_variable():
-    wrapped = _run({})
+def test_nothing_is_wrapped_without_the_variable(fresh_vllm):
+    """In a fresh interpreter (conftest.py's `fresh_vllm`, tests/fresh_vllm.py, check 5)
+    with every row applied and the variable unset: nothing is wrapped."""
+    wrapped = fresh_vllm["step_profile"]["without"]
     assert not any(v for k, v in wrapped.items() if k != "once"), wrapped
 
 
-def test_runner_and_scheduler_are_wrapped_with_the_variable(tmp_path):
-    wrapped = _run({"VLLM_DSPINE_STEP_PROFILE": str(tmp_path / "p.json")})
-    assert all(wrapped.values()), wrapped
+def test_runner_and_scheduler_are_wrapped_with_the_variable(fresh_vllm):
+    """The same interpreter with the variable set: the row applies (twice), the runner's
+    methods and the scheduler's abort path are wrapped, once."""
+    probe = fresh_vllm["step_profile"]
+    assert probe["installed"] == [True, True]
+    assert all(probe["with"].values()), probe
 
 
 def test_profile_sections_and_file(tmp_path, monkeypatch):

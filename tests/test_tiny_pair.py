@@ -93,23 +93,21 @@ def test_draft_loads_and_fits_target(pair):
     assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in tensors.values())
 
 
-def test_pairs_cli_tiny_writes_then_reuses(tmp_path, capsys):
-    from vllm_dspine.pairs.__main__ import main
-
-    out = tmp_path / "pair"
-    assert main(["tiny", "--out", str(out), "--steps", "2", "--log-every", "0"]) == 0
-    printed = capsys.readouterr().out
-    assert str(out / "target") in printed and str(out / "draft") in printed
-    draft = out / "draft" / "model.safetensors"
-    assert draft.is_file() and (out / "target" / "model.safetensors").is_file()
-    cfg, trained = load_draft_checkpoint(str(out / "draft"))
-    random = write_tiny_pair(str(tmp_path / "random"), seed=0)
-    _, untrained = load_draft_checkpoint(random.draft_dir)
-    assert not torch.equal(trained["fc.weight"], untrained["fc.weight"])  # distilled
-    stamp = draft.stat().st_mtime_ns
-    assert main(["tiny", "--out", str(out), "--steps", "2", "--log-every", "0"]) == 0
-    assert "reused" in capsys.readouterr().out
-    assert draft.stat().st_mtime_ns == stamp
+def test_pairs_cli_tiny_writes_then_reuses(tiny_cli_run):
+    """`python -m vllm_dspine.pairs tiny --out DIR --steps 2`: writes the target and a
+    distilled drafter; the same command again reuses them (files untouched); other
+    arguments (--steps 3) are another pair, made anew. Run in one interpreter started
+    with the session (conftest.py's `tiny_cli_run`, TINY_CLI_RUNS)."""
+    done = tiny_cli_run.wait(600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    res = json.loads(done.stdout.strip().splitlines()[-1])
+    out = tiny_cli_run.out_dir / "pair"
+    assert res["rc"] == [0, 0, 0]
+    first, second, third = res["printed"]
+    assert str(out / "target") in first and str(out / "draft") in first
+    assert res["stamps"][0] is not None and res["target_file"]
+    assert res["distilled"]  # the drafter's weights are not the random ones
+    assert "reused" in second
+    assert res["stamps"][1] == res["stamps"][0]
     # Other arguments are another pair: made anew, not reused.
-    assert main(["tiny", "--out", str(out), "--steps", "3", "--log-every", "0"]) == 0
-    assert "reused" not in capsys.readouterr().out
+    assert "reused" not in third

@@ -4,14 +4,13 @@ once, at registration and not on import, and a second `apply_patches()` changes 
 README.md is the table's rendering; another vLLM is refused. Each fix is also tested
 against the bug it fixes (docs/measured.md).
 
-The checks that need an unpatched vLLM run in a fresh interpreter (`fresh`): an earlier
-test module of the same session may have applied the patches in this one, and they
-cannot be undone."""
+The checks that need an unpatched vLLM run in a fresh interpreter (`fresh`,
+tests/fresh_vllm.py, shared with tests/test_step_profile.py: one import of vLLM, ~17 s on
+a slow core, for both): an earlier test module of the same session may have applied the
+patches in this one, and they cannot be undone."""
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -27,72 +26,11 @@ engine_env()
 
 ROW_IDS = [p.id for p in PATCHES]
 
-# Run in a fresh interpreter; prints one JSON line.
-FRESH_PROBE = textwrap.dedent("""
-    import importlib, json, sys
-    import torch
-
-    out = {}
-    # 1. vLLM's own CPU expand override, unpatched (the bug cpu-expand-kernel fixes).
-    from vllm.platforms.cpu import CpuPlatform
-    CpuPlatform.import_kernels()
-    from vllm.utils import cpu_triton_utils
-    from vllm_dspine.plugin.patches import is_applied
-    vanilla = cpu_triton_utils._expand_kernel_impl
-    out["vanilla_expand_marked"] = is_applied(vanilla, "cpu-expand-kernel")
-    nan = torch.full((5,), float("nan"))
-    vanilla(nan, torch.tensor([1.5, 0.7]), torch.tensor([3, 5], dtype=torch.int32), 0, 1)
-    out["vanilla_expand_all_nan"] = bool(torch.isnan(nan).all())
-
-    # 2. Importing the plugin and every patch module changes nothing.
-    import vllm_dspine.plugin
-    from vllm_dspine.plugin.patches import PATCHES, apply_patch, apply_patches
-    from vllm_dspine.plugin.patches.apply import check_patch, installs
-    for p in PATCHES:
-        importlib.import_module("vllm_dspine.plugin.patches." + p.apply.split(":")[0])
-
-    def current(symbol):
-        if symbol.read_source:  # the import hook: its finder is the installed object
-            return [f for f in sys.meta_path if getattr(f, "_dspine_patch_ids", ())]
-        obj = importlib.import_module(symbol.module)
-        for part in symbol.qualname.split("."):
-            obj = getattr(obj, part)
-        return [obj]
-
-    def marked(p):
-        return [s.path for s in p.changes
-                if any(is_applied(o, p.id) for o in current(s))]
-
-    # 3. Each row checked in the order registration applies them (a row may need the
-    # earlier ones: qwen3_5 imports only once the torchvision hook is in), then applied.
-    out["marked_after_import"], out["before"], out["installed"] = {}, {}, {}
-    for p in PATCHES:
-        out["before"][p.id] = check_patch(p)
-        out["marked_after_import"][p.id] = marked(p) if not out["before"][p.id] else []
-        out["installed"][p.id] = apply_patch(p)
-    out["after"] = {p.id: check_patch(p) for p in PATCHES}
-    out["marked"] = {p.id: marked(p) for p in PATCHES}
-    # 4. Applying everything again leaves every changed symbol as it is (a classmethod
-    # is a new bound method at each lookup: compare its function).
-    def identities(p):
-        return [id(getattr(o, "__func__", o)) for s in p.changes for o in current(s)]
-
-    objects = {p.id: identities(p) for p in PATCHES}
-    apply_patches()
-    apply_patches()
-    out["unchanged_by_reapply"] = {p.id: objects[p.id] == identities(p) for p in PATCHES}
-    print(json.dumps(out))
-""")
-
-
 @pytest.fixture(scope="module")
-def fresh() -> dict:
-    env = dict(os.environ)
-    env.pop("VLLM_DSPINE_STEP_PROFILE", None)
-    run = subprocess.run([sys.executable, "-c", FRESH_PROBE], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+def fresh(fresh_vllm) -> dict:
+    """conftest.py's `fresh_vllm`: tests/fresh_vllm.py's probe, run once per session in a
+    fresh interpreter (one JSON object)."""
+    return fresh_vllm
 
 
 @pytest.fixture(scope="module")
