@@ -28,12 +28,12 @@ def pair(smollm2_pair):
 
 
 def test_committed_drafter_is_small_bf16_with_its_record(tmp_path):
-    """The drafter is committed packed (pairs/packed.py: the codebook rows training
+    """The drafter is committed packed (model/packed.py: the codebook rows training
     touched); unpacked it is a bf16 checkpoint whose kept rows are the packed ones and
     whose other codebook rows are zero."""
     from safetensors.torch import load_file
 
-    from vllm_dspine.pairs.packed import PACKED, unpack_drafter
+    from vllm_dspine.model.packed import PACKED, unpack_drafter
 
     size = os.path.getsize(os.path.join(COMMITTED_DRAFTER, PACKED))
     assert size <= 32 * 2**20, f"committed drafter is {size / 2**20:.1f} MiB (> 32 MiB)"

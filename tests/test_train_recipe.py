@@ -282,6 +282,58 @@ def test_general_command_trains_exports_and_continues(corpus_dir, pair, tmp_path
     assert len(rec2["stages"]) == 2 and rec2["stages"][0] == rec["stages"][0]
     assert rec["stages"][0]["sequences"] == 8
     assert rec2["stages"][1]["sequences"] == 4 and rec2["stages"][1]["corpus_shards"] == 1
+    # one shard has fewer distinct ids than retrieval's coarse pass takes: the exported
+    # config lowers coarse_topk to them instead of writing a folder no loader accepts
+    dcfg2, _ = load_draft_checkpoint(out2)
+    assert dcfg2.coarse_topk == len(dcfg2.retrieval_vocab) < dcfg.coarse_topk
+
+
+def test_general_command_continues_a_packed_drafter_in_place(corpus_dir, pair, tmp_path):
+    """`--out-packed` stores the drafter as committed drafters are (model/packed.py): the
+    codebook rows of every token the run read plus its vocabulary, the rest zero; and
+    `--init-from P --out-packed P` continues a packed drafter in place, its record grown
+    by one stage and the rows it kept not dropped when the next run reads fewer tokens."""
+    from vllm_dspine.model.checkpoint import load_draft_checkpoint
+    from vllm_dspine.model.packed import PACKED, is_packed_drafter, load_drafter
+    from vllm_dspine.train.__main__ import main
+
+    cfg = draft_config()
+    common = ["--target", pair.target_dir, "--corpus", corpus_dir, "--work",
+              str(tmp_path / "work"), "--layers", str(cfg.num_hidden_layers),
+              "--code-dim", str(cfg.code_dim), "--message-dim", str(cfg.message_dim),
+              "--target-layers", ",".join(map(str, cfg.target_layer_ids)),
+              "--mask-token-id", str(cfg.mask_token_id), "--topk", "8",
+              "--seqs-per-step", "2", "--blocks-per-seq", "2", "--train-rows", "5",
+              "--vocab-coverage", "1.0"]
+    packed = str(tmp_path / "packed")
+    out1 = str(tmp_path / "d1")
+    assert main(common + ["--steps", "2", "--out", out1, "--init", "random",
+                          "--out-packed", packed]) == 0
+    assert is_packed_drafter(packed)
+    assert not [f for f in os.listdir(packed) if f.endswith(".safetensors")]
+    full_cfg, full = load_draft_checkpoint(out1)
+    pcfg, pk = load_drafter(packed)
+    assert pcfg.retrieval_vocab == full_cfg.retrieval_vocab
+    corpus = C.Corpus(corpus_dir)
+    seen = torch.from_numpy(np.unique(np.concatenate(corpus.sequences))).long()
+    kept = torch.nonzero(pk["bridge.codebook"].abs().sum(-1)).flatten()
+    assert set(kept.tolist()) == set(seen.tolist()) | set(full_cfg.retrieval_vocab)
+    assert torch.equal(pk["bridge.codebook"][kept], full["bridge.codebook"][kept])
+    for name, t in full.items():
+        if name != "bridge.codebook":
+            assert torch.equal(pk[name], t), name
+    size = os.path.getsize(os.path.join(packed, PACKED))
+    # continue in place on the first shard only: shard 1's rows must stay kept
+    assert main(common + ["--steps", "1", "--out", str(tmp_path / "d2"), "--init-from",
+                          packed, "--out-packed", packed, "--shards", "1",
+                          "--name", "again"]) == 0
+    _, pk2 = load_drafter(packed)
+    kept2 = torch.nonzero(pk2["bridge.codebook"].abs().sum(-1)).flatten()
+    assert set(kept.tolist()) <= set(kept2.tolist())
+    assert os.path.getsize(os.path.join(packed, PACKED)) >= size
+    rec = json.load(open(os.path.join(packed, "training.json")))
+    assert [s["sequences"] for s in rec["stages"]] == [8, 4]
+    assert not torch.equal(pk2["fc.weight"], pk["fc.weight"])  # it trained
 
 
 def test_a_flat_record_is_kept_as_the_first_stage():

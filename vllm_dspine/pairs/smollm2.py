@@ -378,7 +378,7 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> str:
 
 
 # The project's trained drafter for this target, committed with the package packed
-# (`pairs/packed.py`: bf16, the codebook rows training touched; with its training record,
+# (`model/packed.py`: bf16, the codebook rows training touched; with its training record,
 # whose stages hold the `python -m vllm_dspine.train` commands that made it;
 # docs/smollm2-drafter.md). The pair command unpacks it into DIR/draft.
 COMMITTED_DRAFTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafters",
@@ -410,7 +410,7 @@ def write_smollm2_pair(out: str, cache_dir: str | None = None,
     `out/draft`: the committed drafter, unpacked. Returns what was written."""
     import shutil
 
-    from vllm_dspine.pairs.packed import unpack_drafter
+    from vllm_dspine.model.packed import unpack_drafter
 
     if not os.path.isfile(os.path.join(drafter, "config.json")):
         raise FileNotFoundError(

@@ -1,7 +1,8 @@
 """Train a DSpine drafter for a Llama- or Qwen3-family target: one command, fixed seeds.
 
     python -m vllm_dspine.train --target DIR --corpus CORPUS --work WORK [--out DRAFT]
-        [--preset smollm2] [--held-out-corpus EVAL] [--init-from DRAFT] [--steps N] ...
+        [--preset smollm2] [--held-out-corpus EVAL] [--init-from DRAFT] [--steps N]
+        [--out-packed PACKED] ...
 
 Stages, each cached in WORK so a stopped run resumes where it was:
 1. features: the target's layer outputs and top-k next-token distribution of every
@@ -16,7 +17,9 @@ Stages, each cached in WORK so a stopped run resumes where it was:
    `--train-rows` rows of each block;
 4. export: the drafter in bf16 with `training.json` (every stage: data size, steps,
    losses, held-out figures) and `loss.png`; held-out acceptance computed as vLLM serves
-   it (bf16 weights, the retrieval vocabulary, the DSpine tail) on `--held-out-corpus`.
+   it (bf16 weights, the retrieval vocabulary, the DSpine tail) on `--held-out-corpus`;
+   with `--out-packed`, also packed as committed drafters are stored (`model/packed.py`),
+   so `--init-from X --out-packed X` continues a committed drafter in place.
 
 The corpus comes from `python -m vllm_dspine.train.corpus`; docs/training.md tells how to
 train a drafter for another model, on one machine or several (torchrun).
@@ -148,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
                          "features are computed for those alone")
     ap.add_argument("--work", required=True, help="working folder (features, state)")
     ap.add_argument("--out", default=None, help="the drafter's folder (default WORK/draft)")
+    ap.add_argument("--out-packed", default=None,
+                    help="also write the drafter packed here (model/packed.py: the codebook "
+                         "rows of the corpus's tokens, as the committed drafters are stored); "
+                         "may be the --init-from folder itself")
     ap.add_argument("--held-out-corpus", default=None,
                     help="a corpus of other prompt sources for held-out figures")
     ap.add_argument("--held-out-seqs", type=int, default=24)
@@ -158,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target-layers", default=None, help="comma-separated layer ids")
     ap.add_argument("--mask-token-id", type=int, default=None)
     ap.add_argument("--init", choices=["target", "random"], default="target")
-    ap.add_argument("--init-from", default=None, help="continue from this drafter")
+    ap.add_argument("--init-from", default=None,
+                    help="continue from this drafter (a checkpoint or a packed folder)")
     ap.add_argument("--init-norm-scale", type=float, default=1.0,
                     help="--init target: the final norm's weight times this")
     ap.add_argument("--variant", choices=["full", "no-bridge"], default="full")
@@ -185,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig
 
     from vllm_dspine.cpu_env import set_cpu_defaults
-    from vllm_dspine.model.checkpoint import load_draft_checkpoint, save_draft_checkpoint
+    from vllm_dspine.model.checkpoint import save_draft_checkpoint
+    from vllm_dspine.model.packed import is_packed_drafter, load_drafter, pack_drafter
     from vllm_dspine.train.feature_store import build_store
     from vllm_dspine.train.loop import DistillData, DistillSettings, distill
     from vllm_dspine.train.target_data import load_target
@@ -219,12 +228,24 @@ def main(argv: list[str] | None = None) -> int:
     vocab = coverage_vocab(corpus.sequences, args.vocab_coverage, tcfg.vocab_size)
     _log(f"corpus: {len(corpus)} sequences, {corpus.answer_tokens()} answer tokens; "
          f"loss vocabulary {len(vocab)} ids")
+    if len(vocab) < cfg.coarse_topk:
+        # A small corpus (a test's, a first shard): retrieval's coarse pass takes the whole
+        # vocabulary; a config listing fewer ids than it would be refused at load time.
+        if len(vocab) < cfg.head_topk:
+            raise ValueError(f"the loss vocabulary has {len(vocab)} ids, fewer than the "
+                             f"drafter's head_topk ({cfg.head_topk}): train on more text "
+                             f"(--corpus, --shards) or raise --vocab-coverage")
+        cfg = dataclasses.replace(cfg, coarse_topk=len(vocab))
+        _log(f"coarse_topk lowered to the vocabulary's {len(vocab)} ids")
     target = load_target(args.target)
     embed = target.model.embed_tokens.weight.detach().float()
     head = target.lm_head.weight.detach().float()
     record_prev: dict = {}
+    kept_rows = torch.zeros(0, dtype=torch.long)  # codebook rows an --init-from kept packed
     if args.init_from:
-        init_cfg, init = load_draft_checkpoint(args.init_from)
+        init_cfg, init = load_drafter(args.init_from)
+        if is_packed_drafter(args.init_from):
+            kept_rows = torch.nonzero(init["bridge.codebook"].abs().sum(-1)).flatten()
         init = {k: v.float() for k, v in init.items()}
         if args.steps == 0 and init_cfg.retrieval_vocab is not None:
             # evaluation only: the drafter as it is served, with its own vocabulary
@@ -292,6 +313,13 @@ def main(argv: list[str] | None = None) -> int:
               "wall_seconds_this_run": round(time.time() - t_start, 1)}
     with open(os.path.join(out, "training.json"), "w") as f:
         json.dump(record, f, indent=2)
+    if args.out_packed:
+        # The rows training moved (every token of the corpus read, the loss vocabulary)
+        # and those the starting drafter kept: nothing it had learned is dropped.
+        rows = torch.cat([torch.from_numpy(np.unique(np.concatenate(corpus.sequences))).long(),
+                          vocab.long(), kept_rows])
+        packed = pack_drafter(out, args.out_packed, rows)
+        _log(f"packed into {args.out_packed}: {packed}")
     _log(json.dumps(stage, indent=2, default=str)[:4000])
     return 0
 
