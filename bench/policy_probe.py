@@ -44,6 +44,7 @@ if not __package__:  # `python bench/policy_probe.py`: import `bench` from the r
     sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
 from bench.lib.engines import spec_of  # noqa: E402
+from bench.lib.pair import ensure_pair  # noqa: E402
 from bench.lib.report import REPO  # noqa: E402
 from bench.lib.workloads import humaneval_prompts  # noqa: E402
 
@@ -91,7 +92,7 @@ def main() -> None:
 
     from vllm_dspine.step_profile import profile
 
-    pair = pathlib.Path(args.pair)
+    pair = pathlib.Path(ensure_pair(args.pair))
     conc = max(1, args.concurrency)
     per_round = max(args.prompts, conc)
     names = args.methods.split(",")

@@ -29,6 +29,7 @@ if not __package__:  # `python bench/process_split.py`: import `bench` from the 
     sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
 from bench.lib.engines import Engine  # noqa: E402
+from bench.lib.pair import ensure_pair  # noqa: E402
 from bench.lib.report import DOC, REPO, machine, replace_section  # noqa: E402
 from bench.lib.workloads import CHAT_PROMPTS, humaneval_prompts  # noqa: E402
 
@@ -95,6 +96,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import psutil
 
+    ensure_pair(args.pair)
     prompts = (humaneval_prompts(os.path.join(args.pair, "cache")) if args.workload
                == "humaneval" else list(CHAT_PROMPTS))[:args.prompts]
     front = psutil.Process()

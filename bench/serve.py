@@ -57,6 +57,7 @@ if not __package__:  # `python bench/serve.py`: import `bench` from the reposito
     sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
 from bench.lib.engines import spec_of  # noqa: E402
+from bench.lib.pair import ensure_pair  # noqa: E402
 from bench.lib.report import (DOC, REPO, git_rev, machine, replace_section,  # noqa: E402
                               version)
 from bench.lib.workloads import humaneval_prompts  # noqa: E402
@@ -328,7 +329,7 @@ def main(argv=None) -> int:
 
     set_cpu_defaults()
     env = dict(os.environ)
-    args.pair = os.path.abspath(args.pair)
+    args.pair = ensure_pair(os.path.abspath(args.pair))
     target = os.path.abspath(args.target or os.path.join(args.pair, "target"))
     if args.draft:
         args.draft = os.path.abspath(args.draft)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 
 import pytest
 import torch
@@ -133,3 +134,37 @@ def test_dspine_with_lookup_on_smollm2_is_exact(engines, pair, plain_code_output
     print(f"SmolLM2 with lookup: mean acceptance length {tau:.2f} over {drafts} "
           f"verifications")
     assert tau >= 1.5, f"mean acceptance length {tau:.2f}"
+
+
+def test_a_benchmark_never_measures_a_stale_drafter(smollm2_pair, tmp_path, monkeypatch):
+    """bench/lib/pair.py: a SmolLM2 pair folder made before the committed drafter changed
+    (its record holds another digest; the case of artifacts/smollm2 holding the 2026-12-01
+    drafter while the benchmarks' docs named stage 3) is brought up to date before a
+    benchmark reads it; a folder without the pairs command's record is left as it is."""
+    import json
+
+    from bench.lib.pair import drafter_summary, ensure_pair
+    from vllm_dspine.pairs.__main__ import RECORD
+    from vllm_dspine.pairs.smollm2 import committed_drafter_digest, default_cache_dir
+
+    monkeypatch.setenv("DSPINE_CACHE", default_cache_dir())
+    stale = tmp_path / "stale"
+    (stale / "target").mkdir(parents=True)
+    for f in (smollm2_pair / "target").iterdir():  # hard links: no second 540 MB
+        os.link(f, stale / "target" / f.name)
+    (stale / "draft").mkdir()
+    (stale / "draft" / "training.json").write_text('{"steps": 1200}')
+    record = json.loads((smollm2_pair / RECORD).read_text())
+    (stale / RECORD).write_text(json.dumps({**record, "drafters_sha256": "0" * 64}))
+    assert ensure_pair(str(stale)) == str(stale)
+    fresh = json.loads((stale / RECORD).read_text())
+    assert fresh["drafters_sha256"] == committed_drafter_digest()
+    assert ((stale / "draft" / "training.json").read_text()
+            == (pathlib.Path(COMMITTED_DRAFTER) / "training.json").read_text())
+    assert "training stage(s)" in drafter_summary(str(stale / "draft"))
+
+    own = tmp_path / "own"  # a user's own folder: no record, nothing touched
+    (own / "draft").mkdir(parents=True)
+    (own / "draft" / "training.json").write_text('{"steps": 5}')
+    ensure_pair(str(own))
+    assert (own / "draft" / "training.json").read_text() == '{"steps": 5}'
