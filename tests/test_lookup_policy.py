@@ -214,3 +214,23 @@ def test_replacing_the_drafter_counts_the_verification_of_its_drafts():
     plan = cheap.plan(kinds, caps)
     cheap.drafter_value, cheap.drafter_drafts = 1.5, 3.0
     assert not cheap.lookup_replaces_drafter(plan, kinds, look)
+
+
+def test_the_continuation_follows_the_earliest_occurrence():
+    """vLLM's matcher, which the lookup reuses, continues from the first occurrence of the
+    longest suffix match, not the latest: in a context repeating a 5-token period the
+    continuation runs from the first period to the end (20 tokens, not 5), and of two
+    earlier occurrences of a 4-token suffix the first one's successor is drafted. A
+    calibration feature built on the continuation's length (docs/lookup.md) must count on
+    this: a long continuation may be a repeat near the end as well as a far copy."""
+    from vllm_dspine.proposer.lookup import PromptLookup, longest_match_continuation
+
+    loop = np.array([5, 6, 7, 8, 9] * 4 + [5, 6, 7, 8], dtype=np.int32)
+    rest, m = longest_match_continuation(loop, 2, 4)
+    assert m == 4 and len(rest) == 20 and rest[:6].tolist() == [9, 5, 6, 7, 8, 9]
+    two = np.array([1, 2, 3, 4, 11, 20, 21, 1, 2, 3, 4, 12, 30, 31, 1, 2, 3, 4], dtype=np.int32)
+    rest, m = longest_match_continuation(two, 2, 4)
+    assert m == 4 and rest[:3].tolist() == [11, 20, 21] and len(rest) == 14
+    b = PromptLookup(2, 4, K).propose([loop, two], np.array([K, 3]))
+    assert b.lengths.tolist() == [K, 3]
+    assert b.drafts[1, :3].tolist() == [11, 20, 21] and (b.drafts[1, 3:] == -1).all()

@@ -8,7 +8,10 @@ as a second source of drafts beside the drafter's block.
 The match is vLLM's own (`_find_longest_matched_ngram_and_propose_tokens` of
 `vllm/v1/spec_decode/ngram_proposer.py`, the numba KMP its ngram method runs): the
 longest suffix of the context, of `min_n .. max_n` tokens, that occurred earlier, the
-latest such occurrence; the drafts are the tokens that followed it. The lookup is
+earliest such occurrence (vLLM's scan keeps the first position where the longest match
+is found: in an answer repeating itself the continuation runs from the first repetition,
+`tests/test_lookup_policy.py::test_the_continuation_follows_the_earliest_occurrence`);
+the drafts are the tokens that followed it. The lookup is
 deterministic given the context, so its drafts reach verification with q = 1 at the
 drafted token (`lookup_sparse_q`): accepted with probability p(d), the correction drawn
 from p without d, exact speculative sampling like any other q.
