@@ -1,11 +1,13 @@
 """A subprocess started now and waited for later (conftest.py's `_background_starts`):
-its output goes to files, not pipes (a pipe nobody reads yet could fill and stall it)."""
+its output goes to files, not pipes (a pipe nobody reads yet could fill and stall it).
+`session_fixture` makes the session fixture that starts one, yields it and stops it."""
 
 from __future__ import annotations
 
 import dataclasses
 import subprocess
 from pathlib import Path
+from typing import Callable
 
 
 @dataclasses.dataclass
@@ -40,3 +42,19 @@ class Background:
 
     def _read(self, name: str) -> str:
         return (self.out_dir / name).read_text(errors="replace")
+
+
+def session_fixture(name: str, start: Callable[[Path], Background], doc: str):
+    """A session-scoped pytest fixture `name`: `start(a fresh temporary folder)` when the
+    session first asks for it (its output files go there), the started subprocess
+    yielded, stopped (killed if still running) at the end of the session."""
+    import pytest
+
+    def fixture(tmp_path_factory):
+        run = start(tmp_path_factory.mktemp(name))
+        yield run
+        run.stop()
+
+    fixture.__name__ = name
+    fixture.__doc__ = doc
+    return pytest.fixture(scope="session", name=name)(fixture)

@@ -32,6 +32,7 @@ import contextlib  # noqa: E402
 import json  # noqa: E402
 
 import pytest  # noqa: E402
+from background import Background, session_fixture  # noqa: E402
 
 # Module order of a session: modules without engines first (in their usual order), then
 # the engine modules grouped by the engines they share, so that a shared engine is
@@ -211,19 +212,21 @@ def _engines_of_this_module(request, engines):
 
 
 # ------------------------------------------------- subprocesses started with the session
-# Each is a `background.Background` started by its session fixture (by
-# `_background_starts` when the session's first test runs, if a test of the session needs
-# it) and waited for by the test that reads it.
-@pytest.fixture(scope="session")
-def _fresh_vllm_probe(tmp_path_factory):
-    """tests/fresh_vllm.py's probe, started (`fresh_vllm` waits for it)."""
+# Each is a `background.Background` started by its session fixture
+# (`background.session_fixture`: started by `_background_starts` when the session's first
+# test runs, if a test of the session needs it; stopped at the end of the session) and
+# waited for by the test that reads it.
+def _start_fresh_vllm_probe(out):
     from engine_utils import engine_env
     from fresh_vllm import start_fresh_probe
 
     engine_env()
-    run = start_fresh_probe(tmp_path_factory.mktemp("fresh_vllm"))
-    yield run
-    run.stop()
+    return start_fresh_probe(out)
+
+
+_fresh_vllm_probe = session_fixture(
+    "_fresh_vllm_probe", _start_fresh_vllm_probe,
+    """tests/fresh_vllm.py's probe, started (`fresh_vllm` waits for it).""")
 
 
 @pytest.fixture(scope="session")
@@ -235,25 +238,23 @@ def fresh_vllm(_fresh_vllm_probe) -> dict:
     return probe_result(_fresh_vllm_probe)
 
 
-@pytest.fixture(scope="session")
-def gpu_check_run(tmp_path_factory):
-    """`bench/gpu_check.py --small --device cpu` with vLLM made unimportable
-    (tests/test_gpu_check.py; its report in `out_dir`)."""
+def _start_gpu_check(out):
     import sys
     from pathlib import Path
 
-    from background import Background
-
-    out = tmp_path_factory.mktemp("gpu_check")
     # `sys.modules["vllm"] = None` makes every `import vllm...` raise ImportError.
     script = ("import runpy, sys; sys.modules['vllm'] = None; "
               "sys.argv = ['bench/gpu_check.py'] + sys.argv[1:]; "
               "runpy.run_path('bench/gpu_check.py', run_name='__main__')")
-    run = Background([sys.executable, "-c", script, "--small", "--device", "cpu",
-                      "--out", str(out)], out, env=dict(os.environ, TRITON_INTERPRET="1"),
-                     cwd=Path(__file__).resolve().parents[1])
-    yield run
-    run.stop()
+    return Background([sys.executable, "-c", script, "--small", "--device", "cpu",
+                       "--out", str(out)], out, env=dict(os.environ, TRITON_INTERPRET="1"),
+                      cwd=Path(__file__).resolve().parents[1])
+
+
+gpu_check_run = session_fixture(
+    "gpu_check_run", _start_gpu_check,
+    """`bench/gpu_check.py --small --device cpu` with vLLM made unimportable
+    (tests/test_gpu_check.py; its report in `out_dir`).""")
 
 
 # `python -m vllm_dspine.pairs tiny` three times in one interpreter, as
@@ -286,28 +287,27 @@ print(json.dumps(res))
 """
 
 
-@pytest.fixture(scope="session")
-def tiny_cli_run(tmp_path_factory):
-    """TINY_CLI_RUNS in a subprocess (tests/test_tiny_pair.py; the pair in `out_dir`)."""
+def _start_tiny_cli(out):
     import sys
 
-    from background import Background
-
-    out = tmp_path_factory.mktemp("tiny_cli")
-    run = Background([sys.executable, "-c", TINY_CLI_RUNS, str(out)], out,
-                     env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
-    yield run
-    run.stop()
+    return Background([sys.executable, "-c", TINY_CLI_RUNS, str(out)], out,
+                      env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
 
 
-@pytest.fixture(scope="session")
-def kernel_compile_sm90(tmp_path_factory):
-    """tests/test_kernel_compile.py's compilation for sm_90 (its `rows`), started."""
+tiny_cli_run = session_fixture(
+    "tiny_cli_run", _start_tiny_cli,
+    """TINY_CLI_RUNS in a subprocess (tests/test_tiny_pair.py; the pair in `out_dir`).""")
+
+
+def _start_compile_sm90(out):
     from kernel_builds import start_compile
 
-    run = start_compile([90], tmp_path_factory.mktemp("kernel_compile_sm90"))
-    yield run
-    run.stop()
+    return start_compile([90], out)
+
+
+kernel_compile_sm90 = session_fixture(
+    "kernel_compile_sm90", _start_compile_sm90,
+    """tests/test_kernel_compile.py's compilation for sm_90 (its `rows`), started.""")
 
 
 # -------------------------------------------------------------------------- misc
