@@ -60,6 +60,7 @@ if not __package__:  # `python bench/e2e.py`: import `bench` from the repository
     sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
 from bench.lib.engines import FIXED_METHODS, K, run_interleaved, run_method  # noqa: E402
+from bench.lib.pair import drafter_summary, ensure_pair  # noqa: E402
 from bench.lib.report import (DOC, IMG, engine_plots, engine_tables, machine,  # noqa: E402
                               replace_section)
 from bench.lib.workloads import CHAT_PROMPTS, humaneval_prompts  # noqa: E402
@@ -124,6 +125,7 @@ def main() -> None:
 
     set_cpu_defaults()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    ensure_pair(args.pair)  # never a stale drafter (bench/lib/pair.py)
     cache = os.path.join(args.pair, "cache")
     all_w = {"humaneval": lambda: humaneval_prompts(cache)[:args.prompts],
              "chat": lambda: list(CHAT_PROMPTS[:args.prompts])}
@@ -173,7 +175,8 @@ def main() -> None:
             f"{torch.get_num_threads()} torch threads, CPU affinity "
             f"{sorted(os.sched_getaffinity(0))}, LD_PRELOAD="
             f"{os.environ.get('LD_PRELOAD', '(none)')}, engine step profile on for every "
-            f"method. Command: `{cmd}`. "
+            f"method. Command: `{cmd}`; "
+            f"{drafter_summary(os.path.join(args.pair, 'draft'))}. "
             f"{args.prompts} prompts per workload ({args.prompts_c1} at concurrency 1; "
             f"cycled above {args.prompts}), {args.max_tokens} new tokens at most, "
             f"chat template applied; prefix caching "
