@@ -14,11 +14,13 @@
 # ${XDG_CACHE_HOME:-~/.cache}/vllm-dspine/wheels; DSPINE_WHEELS=off: a plain pip install
 # from the indexes, as before), and installed from that folder alone (--no-index) by uv
 # (PyPI's `uv`, installed into .venv from the same folder: parallel unpacking, files
-# hardlinked from uv's own cache, bytecode compiled on every core) or by pip where uv
-# cannot. A folder that lacks something pyproject.toml now asks for is filled again with
-# the same pip resolution. pip's own HTTP cache keeps nothing on machines whose PyPI
-# responses carry no caching headers (this kind: every fresh clone downloaded ~1 GB of
-# wheels); timings in docs/testing.md ("Set-up").
+# hardlinked from uv's own cache), or by pip where uv cannot. With uv the bytecode comes
+# from scripts/venv-bytecode.py: compiled once per installed file on every core, linked
+# into later venvs from DSPINE_BYTECODE (default ~/.cache/vllm-dspine/bytecode). A wheel
+# folder that lacks something pyproject.toml now asks for is filled again with the same
+# pip resolution. pip's own HTTP cache keeps nothing on machines whose PyPI responses
+# carry no caching headers (this kind: every fresh clone downloaded ~1 GB of wheels);
+# timings in docs/testing.md ("Set-up").
 #
 #   bash scripts/setup-venv.sh --dry-run   says what it would do (the Python check and
 #                                          the torch source are real; nothing installed)
@@ -59,6 +61,7 @@ fi
 stamp=.venv/.dspine-$extra-$(awk '/^\[/ { skip = ($0 == "[tool.pytest.ini_options]") } !skip' \
   pyproject.toml | sha1sum | cut -c1-12)
 wheels=${DSPINE_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/vllm-dspine/wheels}
+bytecode=${DSPINE_BYTECODE:-${XDG_CACHE_HOME:-$HOME/.cache}/vllm-dspine/bytecode}
 if [[ ! -f $stamp || $dry == 1 ]]; then
   reqs=(-e ".[$extra,test]")
   index=()
@@ -91,7 +94,13 @@ if [[ ! -f $stamp || $dry == 1 ]]; then
     if "${pip[@]}" install -q --no-index --find-links "$wheels" uv >/dev/null 2>&1 \
         && [[ -x .venv/bin/uv ]]; then
       .venv/bin/uv pip install -q --python .venv/bin/python --no-index \
-        --find-links "$wheels" --compile-bytecode "${reqs[@]}"
+        --find-links "$wheels" "${reqs[@]}" || return
+      # Bytecode: linked from the store where an earlier .venv compiled the same
+      # installed file (uv hardlinks them from its cache), the rest compiled on every
+      # core (scripts/venv-bytecode.py); compileall where that fails.
+      site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+      .venv/bin/python scripts/venv-bytecode.py "$site" "$bytecode" ||
+        .venv/bin/python -m compileall -q -j0 "$site" >/dev/null || true
     else
       "${pip[@]}" install -q --no-index --find-links "$wheels" "${reqs[@]}"
     fi
