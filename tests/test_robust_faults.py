@@ -39,8 +39,9 @@ def _tokens(outs) -> list[list[int]]:
 
 
 def test_preemption_with_a_small_kv_budget(engines, pair, plain_llm):
-    """24 long greedy requests on 12 KV blocks of 128 positions (each request needs 2-3
-    blocks by its end, plus the drafter's look-ahead): vLLM must preempt and recompute
+    """24 long greedy requests on 12 KV blocks of 128 positions (each request needs 1-3
+    blocks by its end, most 2, plus the drafter's look-ahead; 16 run at once): vLLM must
+    preempt and recompute
     requests, and the DSpine engine's outputs are token-identical to plain decoding's,
     none lost, none duplicated, every one exactly max_tokens long. After preemption the
     runner's cached sparse q of the re-scheduled requests is gone; their drafts must
@@ -48,7 +49,7 @@ def test_preemption_with_a_small_kv_budget(engines, pair, plain_llm):
     from vllm import SamplingParams
 
     prompts = prompts_of_lengths(24, longest=160)
-    params = [SamplingParams(temperature=0.0, max_tokens=120 + (17 * i) % 90,
+    params = [SamplingParams(temperature=0.0, max_tokens=64 + (17 * i) % 64,
                              ignore_eos=True) for i in range(len(prompts))]
     want = _tokens(plain_llm.generate(prompts, params))
     with engines.private(pair.target_dir, dspine_spec(pair.draft_dir),
