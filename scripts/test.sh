@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The README's test commands (docs/testing.md): sets up .venv (first run: ~3 minutes) and
-# runs the tests.
+# The README's test commands (docs/testing.md): sets up .venv (scripts/setup-venv.sh: ~3
+# minutes the first time on a machine, ~20 s for a fresh clone after that) and runs the
+# tests.
 #   bash scripts/test.sh           the default tier (what CI runs, .ci/run): tests marked
 #                                  `full` are left out (-m "not full")
 #   bash scripts/test.sh --full    every test, at full statistical power (hours)
