@@ -223,14 +223,31 @@ def test_the_continuation_follows_the_earliest_occurrence():
     earlier occurrences of a 4-token suffix the first one's successor is drafted. A
     calibration feature built on the continuation's length (docs/lookup.md) must count on
     this: a long continuation may be a repeat near the end as well as a far copy."""
-    from vllm_dspine.proposer.lookup import PromptLookup, longest_match_continuation
+    # In a fresh interpreter: vLLM's matcher is numba code, and numba loads llvmlite,
+    # whose library object answers any attribute (`__dict__` too) with a wrapper; vLLM
+    # 0.32.0's triton-override scan (`triton_utils/dispatcher._rebind_kernels`, run by
+    # `CpuPlatform.register_triton_kernel_overrides` in later modules of this process)
+    # then fails on `vars(obj).get`. Keep numba out of the test process.
+    import subprocess
+    import sys
+    import textwrap
 
-    loop = np.array([5, 6, 7, 8, 9] * 4 + [5, 6, 7, 8], dtype=np.int32)
-    rest, m = longest_match_continuation(loop, 2, 4)
-    assert m == 4 and len(rest) == 20 and rest[:6].tolist() == [9, 5, 6, 7, 8, 9]
-    two = np.array([1, 2, 3, 4, 11, 20, 21, 1, 2, 3, 4, 12, 30, 31, 1, 2, 3, 4], dtype=np.int32)
-    rest, m = longest_match_continuation(two, 2, 4)
-    assert m == 4 and rest[:3].tolist() == [11, 20, 21] and len(rest) == 14
-    b = PromptLookup(2, 4, K).propose([loop, two], np.array([K, 3]))
-    assert b.lengths.tolist() == [K, 3]
-    assert b.drafts[1, :3].tolist() == [11, 20, 21] and (b.drafts[1, 3:] == -1).all()
+    code = textwrap.dedent(f"""
+        import numpy as np
+        from vllm_dspine.proposer.lookup import PromptLookup, longest_match_continuation
+        K = {K}
+        loop = np.array([5, 6, 7, 8, 9] * 4 + [5, 6, 7, 8], dtype=np.int32)
+        rest, m = longest_match_continuation(loop, 2, 4)
+        assert m == 4 and len(rest) == 20 and rest[:6].tolist() == [9, 5, 6, 7, 8, 9], (m, rest)
+        two = np.array([1, 2, 3, 4, 11, 20, 21, 1, 2, 3, 4, 12, 30, 31, 1, 2, 3, 4],
+                       dtype=np.int32)
+        rest, m = longest_match_continuation(two, 2, 4)
+        assert m == 4 and rest[:3].tolist() == [11, 20, 21] and len(rest) == 14, (m, rest)
+        b = PromptLookup(2, 4, K).propose([loop, two], np.array([K, 3]))
+        assert b.lengths.tolist() == [K, 3], b.lengths
+        assert b.drafts[1, :3].tolist() == [11, 20, 21] and (b.drafts[1, 3:] == -1).all()
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
