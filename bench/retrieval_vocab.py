@@ -32,7 +32,6 @@ def main() -> int:
     ap.add_argument("--seqs", type=int, default=40)
     args = ap.parse_args()
 
-    import numpy as np
     import torch
 
     from vllm_dspine.model.checkpoint import load_draft_checkpoint
@@ -50,9 +49,9 @@ def main() -> int:
     V = head.shape[0]
     ho, hf, _, _ = load_corpus_data(args.held_out, args.held_out_store)
     answers = [s[a:] for s, a in zip(ho.sequences, ho.answer_start)]
-    corpus_ids = np.unique(np.concatenate(Corpus(args.corpus).sequences))
+    corpus_ids = Corpus(args.corpus).token_ids()
     vocabs = {"its own retrieval_vocab": torch.tensor(cfg.retrieval_vocab, dtype=torch.long),
-              "every id of the corpus": torch.from_numpy(corpus_ids.astype(np.int64)),
+              "every id of the corpus": torch.from_numpy(corpus_ids),
               "the whole vocabulary": torch.arange(V)}
     print("| retrieval vocabulary | ids | held-out answers covered | accepted/block, tail "
           "| HumanEval | chat | held-out loss |")

@@ -86,6 +86,14 @@ def load_packed_drafter(packed_dir: str) -> tuple[DSpineConfig, dict[str, torch.
     return cfg, {n: tensors[n] for n in expected_tensor_shapes(cfg)}
 
 
+def packed_row_ids(packed_dir: str) -> torch.Tensor:
+    """The token ids whose codebook rows a packed folder keeps.  -> sorted int64 [R]"""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(packed_dir, PACKED), framework="pt") as f:
+        return f.get_tensor("bridge.codebook_row_ids").long()
+
+
 def load_drafter(folder: str) -> tuple[DSpineConfig, dict[str, torch.Tensor]]:
     """A drafter folder as a checkpoint, whether it is one or a packed folder."""
     if is_packed_drafter(folder):

@@ -20,11 +20,9 @@ from vllm_dspine.model.packed import PACKED, SIDE_FILES, pack_drafter, unpack_dr
 
 def corpus_token_ids(corpus_dir: str) -> torch.Tensor:
     """Every token id of a corpus (train/corpus.py): the codebook rows training saw."""
-    import numpy as np
-
     from vllm_dspine.train.corpus import Corpus
 
-    return torch.from_numpy(np.unique(np.concatenate(Corpus(corpus_dir).sequences)))
+    return torch.from_numpy(Corpus(corpus_dir).token_ids())
 
 
 def main(argv: list[str] | None = None) -> int:

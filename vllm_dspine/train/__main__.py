@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from vllm_dspine.cpu_env import set_cpu_defaults
     from vllm_dspine.model.checkpoint import save_draft_checkpoint
-    from vllm_dspine.model.packed import is_packed_drafter, load_drafter, pack_drafter
+    from vllm_dspine.model.packed import (is_packed_drafter, load_drafter, pack_drafter,
+                                          packed_row_ids)
     from vllm_dspine.train.feature_store import build_store
     from vllm_dspine.train.loop import DistillData, DistillSettings, distill
     from vllm_dspine.train.target_data import load_target
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.init_from:
         init_cfg, init = load_drafter(args.init_from)
         if is_packed_drafter(args.init_from):
-            kept_rows = torch.nonzero(init["bridge.codebook"].abs().sum(-1)).flatten()
+            kept_rows = packed_row_ids(args.init_from)
         init = {k: v.float() for k, v in init.items()}
         if args.steps == 0 and init_cfg.retrieval_vocab is not None:
             # evaluation only: the drafter as it is served, with its own vocabulary
@@ -316,8 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out_packed:
         # The rows training moved (every token of the corpus read, the loss vocabulary)
         # and those the starting drafter kept: nothing it had learned is dropped.
-        rows = torch.cat([torch.from_numpy(np.unique(np.concatenate(corpus.sequences))).long(),
-                          vocab.long(), kept_rows])
+        rows = torch.cat([torch.from_numpy(corpus.token_ids()), vocab.long(), kept_rows])
         packed = pack_drafter(out, args.out_packed, rows)
         _log(f"packed into {args.out_packed}: {packed}")
     _log(json.dumps(stage, indent=2, default=str)[:4000])

@@ -90,6 +90,10 @@ class Corpus:
     def answer_tokens(self) -> int:
         return int(sum(len(s) - a for s, a in zip(self.sequences, self.answer_start)))
 
+    def token_ids(self) -> np.ndarray:
+        """Every token id the sequences hold, sorted (the codebook rows training saw)."""
+        return np.unique(np.concatenate(self.sequences)).astype(np.int64)
+
 
 def read_manifest(folder: str) -> dict:
     path = os.path.join(folder, "manifest.json")
