@@ -1,10 +1,13 @@
 """vLLM's CPU platform and CPU ops: rows `cpu-expand-kernel`, `cpu-grouped-rms-norm`,
-`cpu-causal-conv1d-fp32` and `cpu-hybrid-block-size-kept` of table.py. The replacement
+`cpu-causal-conv1d-fp32`, `cpu-hybrid-block-size-kept` and `kernel-override-scan` of
+table.py. The replacement
 maths is in `vllm_dspine/kernels/cpu_replacements.py`; this module only wires it in."""
 
 from __future__ import annotations
 
 import functools
+import sys
+from collections.abc import Mapping
 
 from vllm_dspine.kernels.cpu_replacements import (
     causal_conv1d_fp32_cpu,
@@ -105,3 +108,51 @@ def patch_hybrid_block_size_kept() -> None:
 
     mark_applied(check_and_update_config, "cpu-hybrid-block-size-kept")
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def _rebind_kernels(overrides) -> None:
+    """vLLM's `triton_utils.dispatcher._rebind_kernels` (same arguments, same effect): point
+    every module attribute holding an original kernel, and every object whose instance
+    dict holds one as `kernel`, at its wrapper. The difference: an object whose
+    `__dict__` is not a mapping is skipped. llvmlite's `ffi.lib` (loaded with numba, e.g.
+    by vLLM's n-gram matcher, which `dspine_lookup` uses) answers every attribute,
+    `__dict__` included, with a function wrapper, and vLLM's `vars(value).get` then
+    raises, so no engine can register its CPU kernel overrides in that process."""
+    wrappers = {id(original): (original, wrapper) for original, wrapper in overrides}
+
+    def wrapper_of(value):
+        # identity only, as vLLM's scan: some attribute values fail on hash or eq
+        hit = wrappers.get(id(value))
+        return hit[1] if hit is not None and hit[0] is value else None
+
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, Mapping) or not namespace:
+            continue
+        for attr, value in list(namespace.items()):
+            wrapper = wrapper_of(value)
+            if wrapper is not None:
+                setattr(module, attr, wrapper)
+                continue
+            if not hasattr(value, "__dict__"):
+                continue
+            instance_dict = vars(value)
+            if not isinstance(instance_dict, Mapping):
+                continue
+            wrapper = wrapper_of(instance_dict.get("kernel"))
+            if wrapper is None:
+                continue
+            value.kernel = wrapper
+            if not isinstance(value, type):
+                value.__dict__.pop("_kernel_arg_names", None)
+
+
+mark_applied(_rebind_kernels, "kernel-override-scan")
+
+
+def patch_kernel_override_scan() -> None:
+    from vllm.triton_utils import dispatcher
+
+    if is_applied(dispatcher._rebind_kernels, "kernel-override-scan"):
+        return
+    dispatcher._rebind_kernels = _rebind_kernels

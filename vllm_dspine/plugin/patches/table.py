@@ -337,6 +337,27 @@ PATCHES: tuple[Patch, ...] = (
                "vLLM 0.33.0 moved the reset to `update_block_size_for_backend` "
                "(docs/compatibility.md).",
     ),
+    Patch(
+        id="kernel-override-scan",
+        apply="cpu_kernels:patch_kernel_override_scan",
+        changes=(Symbol("vllm.triton_utils.dispatcher:_rebind_kernels", ("overrides",)),),
+        checks=(Symbol("vllm.triton_utils.dispatcher:register_kernels",
+                       uses=("_rebind_kernels",)),),
+        when="always",
+        acts_on="every process that registers platform kernel overrides (the CPU "
+                "platform does, at each engine start) after numba/llvmlite were loaded",
+        why="vLLM's scan for holders of an overridden kernel reads `vars(value).get` on "
+            "every module attribute with a `__dict__`. llvmlite's `ffi.lib`, loaded with "
+            "numba (vLLM's n-gram matcher, used by `ngram` and by `dspine_lookup`), "
+            "answers `__dict__` with a function wrapper, so `register_kernels` raises "
+            "`AttributeError: '_lib_fn_wrapper' object has no attribute 'get'`: a second "
+            "in-process engine (or any engine started after numba was imported) fails "
+            "to start (found in this project's test suite, docs/testing.md).",
+        how="The same scan, written here (`cpu_kernels.py:_rebind_kernels`), skipping an "
+            "object whose `__dict__` is not a mapping.",
+        retire="vLLM's `_rebind_kernels` checks that an instance dict is a mapping before "
+               "reading it (not in 0.32.0).",
+    ),
     # ------------------------------------------------------------------ metrics
     Patch(
         id="verified-drafts-metric",
