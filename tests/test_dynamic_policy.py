@@ -30,6 +30,11 @@ from vllm_dspine.proposer.dynamic import (  # noqa: E402
     DynamicVerifier,
     choose_lengths,
 )
+from vllm_dspine.proposer.lookup import (  # noqa: E402
+    IN_ANSWER,
+    LookupCalibrator,
+    lookup_feature,
+)
 from vllm_dspine.proposer.step_cost import InjectedStepCost, MeasuredStepCost  # noqa: E402
 
 K = 15
@@ -584,9 +589,16 @@ def test_context_writes_are_immediate_where_blocks_free_mid_request():
 
 
 # ------------------------------------------------------------ prompt lookup
-def _lookup(lengths, conf=0.85):
-    """A LookupBatch: request i has lengths[i] lookup drafts (ids 100 + t) at `conf`."""
+# The lookup calibrator's features (lookup.py): matches of 1, 2 and 4 tokens into the
+# answer so far.
+ANSWER1, ANSWER2, ANSWER4 = (lookup_feature(n, IN_ANSWER) for n in (1, 2, 4))
+
+def _lookup(lengths, conf=None):
+    """A LookupBatch: request i has lengths[i] lookup drafts (ids 100 + t) at `conf`
+    (the calibrator's feature; default a 4-token match into the answer)."""
     from vllm_dspine.proposer.lookup import LookupBatch
+
+    conf = ANSWER4 if conf is None else conf
 
     R = len(lengths)
     drafts = np.full((R, K), -1, dtype=np.int64)
@@ -597,7 +609,8 @@ def _lookup(lengths, conf=0.85):
     return LookupBatch(drafts, np.array(lengths, dtype=np.int64), c)
 
 
-def _lookup_certain(cal: AcceptanceCalibrator, conf=0.85, n: int = 400) -> None:
+def _lookup_certain(cal: AcceptanceCalibrator, conf=None, n: int = 400) -> None:
+    conf = ANSWER4 if conf is None else conf
     for _ in range(n):
         cal.observe(np.full(K, conf), True, K, K)
 
@@ -678,9 +691,9 @@ def test_lookup_and_drafter_chosen_per_request_and_calibrated_apart():
     verified."""
     cost = InjectedStepCost(step_s=0.02, token_s=0.0002, draft_s=0.002)
     v = DynamicVerifier(K, cost)
-    _lookup_certain(v.lookup_calibrator, conf=0.85)
-    for _ in range(400):  # lookup drafts of match length 1 (conf 0.45): never accepted
-        v.lookup_calibrator.observe(np.full(K, 0.45), True, 0, K)
+    _lookup_certain(v.lookup_calibrator, conf=ANSWER4)
+    for _ in range(400):  # lookup drafts of match length 1: never accepted
+        v.lookup_calibrator.observe(np.full(K, ANSWER1), True, 0, K)
     _certain(v.calibrator)  # drafts of confidence 1.0: accepted
     for _ in range(400):  # drafts of confidence 0.15: never
         v.calibrator.observe(np.full(K, 0.15), True, 0, K)
@@ -688,7 +701,7 @@ def test_lookup_and_drafter_chosen_per_request_and_calibrated_apart():
     kinds = np.array([GREEDY, GREEDY, GREEDY])
     caps = np.full(3, K)
     look = _lookup([8, 0, 6])
-    look.conf[2, :6] = 0.45
+    look.conf[2, :6] = ANSWER1
     conf = np.array([np.full(4, 0.15), np.ones(4), np.full(4, 0.15)])  # 4-row block
     v.begin(ids, [0, 0, 0], None, 3)
     plan = v.plan(kinds, caps)
@@ -698,7 +711,7 @@ def test_lookup_and_drafter_chosen_per_request_and_calibrated_apart():
     assert list(v.last_source[:2]) == [1, 0]  # LOOKUP, DRAFTER (the third: either)
     assert lengths[0] == 8 and lengths[1] == 4 and lengths[2] == 0
     v.calibrator = AcceptanceCalibrator(K)  # empty: to see where the next go
-    v.lookup_calibrator = AcceptanceCalibrator(K)
+    v.lookup_calibrator = LookupCalibrator(K)
     # vLLM verified 8 lookup drafts (3 accepted, the 4th rejected) and 4 of the
     # drafter's (all accepted): 4 tested drafts to each calibrator.
     v.begin(ids, [8, 4, 0], [5, 0, 0], 15)
@@ -714,11 +727,11 @@ def test_sampled_requests_choose_the_source_from_draft_one_only():
     cost = InjectedStepCost(step_s=0.02, token_s=0.0002, draft_s=0.002)
     v = DynamicVerifier(K, cost)
     for _ in range(400):  # lookup: draft 1 accepted 60 %, later drafts always
-        v.lookup_calibrator.observe(np.full(K, 0.85), True, K, K)
-        v.lookup_calibrator.observe(np.full(K, 0.85), False, K, K)
+        v.lookup_calibrator.observe(np.full(K, ANSWER4), True, K, K)
+        v.lookup_calibrator.observe(np.full(K, ANSWER4), False, K, K)
     for _ in range(270):
-        v.lookup_calibrator.observe(np.full(K, 0.85), True, 0, K)
-        v.lookup_calibrator.observe(np.full(K, 0.85), False, 0, K)
+        v.lookup_calibrator.observe(np.full(K, ANSWER4), True, 0, K)
+        v.lookup_calibrator.observe(np.full(K, ANSWER4), False, 0, K)
     for _ in range(400):  # drafter: draft 1 accepted 90 %, draft 2 never
         for kind in (True, False):
             v.calibrator.observe(np.full(K, 0.95), kind, 1, K)
@@ -747,12 +760,12 @@ def test_lookup_replaces_the_drafter_where_the_drafter_is_worth_less():
     cost = InjectedStepCost(step_s=0.1, token_s=0.001, draft_s=0.005)
     v = DynamicVerifier(K, cost)
     for _ in range(100):  # lookup drafts of match length 2: half accepted
-        v.lookup_calibrator.observe(np.full(K, 0.55), True, 1, K)
-        v.lookup_calibrator.observe(np.full(K, 0.55), True, 0, K)
+        v.lookup_calibrator.observe(np.full(K, ANSWER2), True, 1, K)
+        v.lookup_calibrator.observe(np.full(K, ANSWER2), True, 0, K)
     ids, kinds, caps = ["a", "b"], np.array([GREEDY, GREEDY]), np.full(2, K)
     v.begin(ids, [0, 0], None, 2)
     plan = v.plan(kinds, caps)
-    short, none_for_b = _lookup([3, 3], conf=0.55), _lookup([3, 0], conf=0.55)
+    short, none_for_b = _lookup([3, 3], conf=ANSWER2), _lookup([3, 0], conf=ANSWER2)
     assert not v.lookup_replaces_drafter(plan, kinds, short)  # value unknown yet
     v.drafter_value = 0.05
     assert v.lookup_replaces_drafter(plan, kinds, short)

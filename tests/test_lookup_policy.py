@@ -18,11 +18,18 @@ from vllm_dspine.proposer.dynamic import (  # noqa: E402
     DynamicVerifier,
     choose_lengths,
 )
-from vllm_dspine.proposer.lookup import LookupBatch  # noqa: E402
+from vllm_dspine.proposer.lookup import (  # noqa: E402
+    IN_ANSWER,
+    IN_PROMPT,
+    LOOKUP_START,
+    LookupBatch,
+    LookupCalibrator,
+    lookup_feature,
+)
 from vllm_dspine.proposer.step_cost import InjectedStepCost  # noqa: E402
 
 K = 15
-MATCH4 = 0.75  # the lookup's confidence of a 4-token match (lookup.py)
+MATCH4 = lookup_feature(4, IN_ANSWER)  # the calibrator's feature of a 4-token match
 
 
 class FakeClock:
@@ -222,7 +229,10 @@ def test_the_continuation_follows_the_earliest_occurrence():
     continuation runs from the first period to the end (20 tokens, not 5), and of two
     earlier occurrences of a 4-token suffix the first one's successor is drafted. A
     calibration feature built on the continuation's length (docs/lookup.md) must count on
-    this: a long continuation may be a repeat near the end as well as a far copy."""
+    this: a long continuation may be a repeat near the end as well as a far copy. Where
+    the continuation is copied from (the calibrator's feature, `PromptLookup.propose`)
+    follows the same occurrence: the prompt where the first one lies in it, even if the
+    suffix recurs in the answer."""
     # In a fresh interpreter: vLLM's matcher is numba code, and numba loads llvmlite,
     # whose library object answers any attribute (`__dict__` too) with a wrapper; vLLM
     # 0.32.0's triton-override scan (`triton_utils/dispatcher._rebind_kernels`, run by
@@ -243,11 +253,62 @@ def test_the_continuation_follows_the_earliest_occurrence():
                        dtype=np.int32)
         rest, m = longest_match_continuation(two, 2, 4)
         assert m == 4 and rest[:3].tolist() == [11, 20, 21] and len(rest) == 14, (m, rest)
-        b = PromptLookup(2, 4, K).propose([loop, two], np.array([K, 3]))
+        lk = PromptLookup(2, 4, K)
+        b = lk.propose([loop, two], np.array([K, 3]), np.array([3, 3]))
         assert b.lengths.tolist() == [K, 3], b.lengths
         assert b.drafts[1, :3].tolist() == [11, 20, 21] and (b.drafts[1, 3:] == -1).all()
+        # Where it is copied from: the continuation's first token (index 4 in `two`)
+        # before the prompt's end is a copy from the prompt, else from the answer.
+        from vllm_dspine.proposer.lookup import IN_ANSWER, IN_PROMPT, lookup_feature
+        for prompt_len, where in ((5, IN_PROMPT), (4, IN_ANSWER), (0, IN_ANSWER)):
+            b = lk.propose([two], np.array([3]), np.array([prompt_len]))
+            assert (b.conf[0, :3] == lookup_feature(4, where)).all(), (prompt_len, b.conf)
+            assert (b.conf[0, 3:] == 0).all()
         print("ok")
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_matches_into_the_prompt_and_into_the_answer_are_calibrated_apart():
+    """The lookup's calibrator has a bin per (where the continuation is copied from,
+    match length): a 2-token match into the prompt and one into the answer start from
+    their own guesses (the offline walk's, `LOOKUP_START`) and learn only from their own
+    verifications, through the policy as the proposer drives it (choose, then vLLM's
+    report in the next step's `begin`). Before the split both went to one bin per match
+    length, so the answer's matches paid for the prompt's rejected ones."""
+    prompt2, answer2 = lookup_feature(2, IN_PROMPT), lookup_feature(2, IN_ANSWER)
+    cal = LookupCalibrator(K)
+    assert cal._bin(np.array([prompt2]))[0] != cal._bin(np.array([answer2]))[0]
+    greedy = np.array([True, True])
+    start = cal.predict(np.array([np.full(K, prompt2), np.full(K, answer2)]), greedy)
+    assert np.allclose(start[0, [0, 1, 3, 7]], LOOKUP_START[IN_PROMPT, 1, :4])
+    assert np.allclose(start[1, [0, 1, 3, 7]], LOOKUP_START[IN_ANSWER, 1, :4])
+
+    cost = InjectedStepCost(step_s=0.02, token_s=0.0002, draft_s=0.002)
+    v = DynamicVerifier(K, cost)
+    ids, kinds, caps = ["p", "a"], np.array([GREEDY, GREEDY]), np.full(2, K)
+    look = _lookup([4, 4], conf=answer2)
+    look.conf[0, :4] = prompt2
+    v.begin(ids, [0, 0], None, 2)
+    for _ in range(60):
+        plan = v.plan(kinds, caps)
+        lengths = v.choose_lookup_only(ids, kinds, plan.caps, look)
+        v.end(ids, drafted=False)
+        assert lengths[1] == 4  # the prompt's may stop being verified
+        # vLLM's report: the prompt's match rejected at draft 1, the answer's all taken.
+        v.begin(ids, lengths.tolist(), [int(lengths[0]), 0], 2 + int(lengths.sum()))
+    alpha = v.lookup_calibrator.predict(look.conf, kinds == GREEDY)
+    assert alpha[0, 0] < 0.1 < start[0, 0]  # the prompt's: rejected, learned
+    assert alpha[1, 0] > 0.9 > start[1, 0]  # the answer's: accepted, learned
+    # The answer's bins saw only the answer's verifications.
+    b_p, b_a = cal._bin(np.array([prompt2, answer2]))
+    t = v.lookup_calibrator.trials[0]
+    assert t[:, b_a].sum() == v.lookup_calibrator.success[0][:, b_a].sum() > 0
+    assert v.lookup_calibrator.success[0][:, b_p].sum() == 0 < t[:, b_p].sum()
+    # ... and a fresh 4-token match into the answer leans on the answer's, not the
+    # prompt's: its draft 1 is now above its own starting guess.
+    a4 = v.lookup_calibrator.predict(np.full((1, K), lookup_feature(4, IN_ANSWER)),
+                                     np.array([True]))
+    assert a4[0, 0] > LOOKUP_START[IN_ANSWER, 3, 0]

@@ -349,7 +349,9 @@ class DSpineProposer(DFlashProposer):
         (`num_tokens_no_spec`) and then the drafts this step verified; the accepted ones
         and the correction / bonus token (`next_token_ids`) extend the context. The
         drafter runs before vLLM's bookkeeping appends them, so the row is read here.
-        Requests with their own seed and those without a cap get none."""
+        The row's first `num_prompt_tokens` are the prompt (where a continuation is
+        copied from is one of the lookup calibrator's features). Requests with their own
+        seed and those without a cap get none."""
         batch = self._runner.input_batch
         tokens, committed = batch.token_ids_cpu, batch.num_tokens_no_spec
         nxt = next_token_ids[:num_reqs].cpu().numpy()
@@ -367,7 +369,7 @@ class DSpineProposer(DFlashProposer):
             ctx[:end] = tokens[i, :end]
             ctx[end] = nxt[i]
             contexts.append(ctx)
-        return self._lookup.propose(contexts, caps)
+        return self._lookup.propose(contexts, caps, batch.num_prompt_tokens[:num_reqs])
 
     def _with_lookup_q(self, packed: torch.Tensor | None, lookup: LookupBatch,
                        rows: np.ndarray) -> torch.Tensor:

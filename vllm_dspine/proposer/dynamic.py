@@ -55,7 +55,7 @@ import numpy as np
 from vllm.logger import init_logger
 
 from vllm_dspine.proposer.calibration import AcceptanceCalibrator
-from vllm_dspine.proposer.lookup import LookupBatch
+from vllm_dspine.proposer.lookup import LookupBatch, LookupCalibrator
 from vllm_dspine.proposer.step_cost import EWLinear, InjectedStepCost, MeasuredStepCost
 
 # Under vLLM's "vllm" logger, whose handlers vLLM configures in every process (a
@@ -336,8 +336,9 @@ class DynamicVerifier:
         self.draft_cost = EWLinear()
         self.context_cost = EWLinear()
         self.calibrator = AcceptanceCalibrator(num_proposals)
-        # The lookup's acceptance, calibrated apart from the drafter's (docs/lookup.md).
-        self.lookup_calibrator = AcceptanceCalibrator(num_proposals)
+        # The lookup's acceptance, calibrated apart from the drafter's and apart for
+        # matches into the prompt and into the answer (docs/lookup.md).
+        self.lookup_calibrator = LookupCalibrator(num_proposals)
         self.last_source = np.zeros(0, dtype=np.int64)  # `choose`'s sources, per request
         # Accepted drafts the policy expected per request from the drafter where it
         # chose the drafter's drafts (exponentially weighted; `lookup_replaces_drafter`).
