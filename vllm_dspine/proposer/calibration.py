@@ -44,6 +44,10 @@ class AcceptanceCalibrator:
     confidence); old observations fade (counts halve past 400)."""
 
     EDGES = np.array([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0])
+    # The bins fall into POOLS equal runs; a bin with few observations leans on its own
+    # run only (one run: all bins; the lookup's calibrator keeps its two kinds of match
+    # apart, lookup.py).
+    POOLS = 1
     PRIOR = 2.0
     MAX_TRIALS = 400.0
 
@@ -75,9 +79,14 @@ class AcceptanceCalibrator:
         counting as PRIOR observations). A bin's raw confidence alone was optimistic by
         ~40 % on SmolLM2's drafter, whose tail probabilities are overconfident (docs/
         dynamic-verification.md)."""
-        S = self.success.sum(-1, keepdims=True)
-        N = self.trials.sum(-1, keepdims=True)
-        return (S + self.PRIOR * self._prior) / (N + self.PRIOR)
+        shape = self.success.shape  # [2 kinds, 5 groups, bins]
+        runs = (shape[0], shape[1], self.POOLS, shape[2] // self.POOLS)
+
+        def pooled(x: np.ndarray) -> np.ndarray:
+            return np.broadcast_to(x.reshape(runs).sum(-1, keepdims=True), runs).reshape(shape)
+
+        return (pooled(self.success) + self.PRIOR * self._prior) / (
+            pooled(self.trials) + self.PRIOR)
 
     def observe(self, conf: np.ndarray, greedy: bool, accepted: int, verified: int) -> None:
         """One verification: drafts 0..accepted-1 accepted, draft `accepted` rejected

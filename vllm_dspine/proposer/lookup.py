@@ -76,6 +76,7 @@ class LookupCalibrator(AcceptanceCalibrator):
     acceptance, nor the reverse)."""
 
     EDGES = np.linspace(0.0, 1.0, 2 * MATCH_LENGTHS + 1)
+    POOLS = 2  # IN_PROMPT's bins, then IN_ANSWER's
 
     def __init__(self, num_positions: int) -> None:
         super().__init__(num_positions)
@@ -83,15 +84,6 @@ class LookupCalibrator(AcceptanceCalibrator):
         start = LOOKUP_START.reshape(2 * MATCH_LENGTHS, -1).T
         self._prior = np.broadcast_to(start, self._prior.shape).copy()
         self._pooled = self._pooled_prior()
-
-    def _pooled_prior(self) -> np.ndarray:
-        shape = self.success.shape  # [2 kinds, groups, 2 * MATCH_LENGTHS]
-        halves = (shape[0], shape[1], 2, MATCH_LENGTHS)
-        S = np.broadcast_to(self.success.reshape(halves).sum(-1, keepdims=True),
-                            halves).reshape(shape)
-        N = np.broadcast_to(self.trials.reshape(halves).sum(-1, keepdims=True),
-                            halves).reshape(shape)
-        return (S + self.PRIOR * self._prior) / (N + self.PRIOR)
 
 
 def _matcher():
