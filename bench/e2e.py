@@ -28,7 +28,11 @@ per step. 1.0 means the integration adds nothing to the drafter's and verifier's
 cost; what is lost is host work around them.
 
 Concurrency c: the prompts are submitted c at a time (one `generate` call per wave of c),
-so at most c requests decode together.
+so at most c requests decode together and a wave lasts as long as its slowest request.
+With `--queued N`: N requests per setting (the workload's first N prompts, cycled where
+it has fewer) in one `generate` call to engines of max_num_seqs = c (a set of engines per
+concurrency), so a request takes a slot as soon as one frees, as a loaded server's
+requests do; the tables are the same, for the N requests.
 
     source scripts/env.sh
     python bench/e2e.py                   # the full run (~30 min on this CPU)
@@ -36,13 +40,16 @@ so at most c requests decode together.
     python bench/e2e.py --methods plain,dspine,dspine-dynamic --concurrency 1,8,32 ...
     python bench/e2e.py --interleave 3 --methods plain,ngram,dspine,dspine-dynamic
                                           # engines side by side, 3 rounds per setting
+    python bench/e2e.py --interleave 2 --queued 24 --concurrency 8 ...
+                                          # 24 requests queued at 8 running
 
 (`python -m bench.e2e ...` from the repository root is the same.) The methods and the
 engine runner are bench/lib/engines.py, the tables and plots bench/lib/report.py.
 
 Prints markdown tables, writes PNG plots to docs/img/ and replaces its section of
 docs/benchmarks.md (bench_e2e; bench_e2e_interleaved with `--interleave`) (`--doc` to choose another file, `--no-doc` to only print). JSON of
-every run: `--json PATH`.
+every run: `--json PATH`. A queued run's section is bench_e2e_queued
+(bench_e2e_interleaved_queued).
 """
 
 from __future__ import annotations
@@ -74,7 +81,9 @@ FULL = dict(methods=ALL_METHODS, workloads="humaneval,chat", sampling="greedy,t0
             concurrency="1,8,32", prompts=8, prompts_c1=2, max_tokens=128)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, its defaults filled in (`--quick` or the full run's; with
+    `--queued N` and no `--prompts`, N prompts per workload)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", default="artifacts/smollm2")
     ap.add_argument("--quick", action="store_true",
@@ -108,6 +117,11 @@ def main() -> None:
     ap.add_argument("--fixed-rounds", type=int, default=0, metavar="N",
                     help="with --interleave: the methods that verify all 15 drafts run in "
                     "the first N rounds of each setting only (0: every round)")
+    ap.add_argument("--queued", type=int, default=0, metavar="N",
+                    help="each setting submits N requests at once to engines of "
+                    "max_num_seqs = c (one set of engines per concurrency), so requests "
+                    "start as slots free up, as a loaded server's do; N >= every "
+                    "concurrency; --prompts defaults to N (0: waves of c requests)")
     ap.add_argument("--no-abort-probe", action="store_true",
                     help="skip the abort probe when an engine closes (8 requests aborted, "
                     "the time to free their KV blocks): on a slow machine it takes minutes "
@@ -116,10 +130,33 @@ def main() -> None:
     ap.add_argument("--doc", default=str(DOC))
     ap.add_argument("--img", default=str(IMG), help="folder of the PNG plots")
     ap.add_argument("--no-doc", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.queued and args.prompts is None:
+        args.prompts = args.queued
     for k, v in (QUICK if args.quick else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.queued < 0:
+        ap.error("--queued must be >= 0")
+    concs = [int(c) for c in args.concurrency.split(",")]
+    if args.queued and args.queued < max(concs):
+        ap.error(f"--queued {args.queued} cannot fill concurrency {max(concs)}")
+    return args
+
+
+def engine_sets(method_concs: dict[str, list[int]], queued: int = 0
+                ) -> list[dict[str, list[int]]]:
+    """The method -> concurrencies maps to run, each on engines of its own: all at once
+    in waves (the engines' max_num_seqs the largest concurrency), one map per
+    concurrency with `queued` (the engines' max_num_seqs is that concurrency)."""
+    if not queued:
+        return [method_concs]
+    concs = sorted({c for cs in method_concs.values() for c in cs})
+    return [{m: [c] for m, cs in method_concs.items() if c in cs} for c in concs]
+
+
+def main() -> None:
+    args = parse_args()
 
     from vllm_dspine.cpu_env import set_cpu_defaults
 
@@ -145,18 +182,20 @@ def main() -> None:
             cm = [c for c in concs if c <= args.fixed_max_concurrency] or concs[:1]
         method_concs[m] = cm
     rows = []
-    if args.interleave:
-        rows = run_interleaved(method_concs, args.pair, workloads, samplings,
-                               args.max_tokens, args.interleave, log, args.prompts_c1,
-                               prefix_caching=args.prefix_caching,
-                               fixed_rounds=args.fixed_rounds,
-                               abort_probe=not args.no_abort_probe)
-    else:
-        for m, cm in method_concs.items():
+    for mc in engine_sets(method_concs, args.queued):
+        if args.interleave:
+            rows.extend(run_interleaved(mc, args.pair, workloads, samplings,
+                                        args.max_tokens, args.interleave, log,
+                                        args.prompts_c1, prefix_caching=args.prefix_caching,
+                                        fixed_rounds=args.fixed_rounds,
+                                        abort_probe=not args.no_abort_probe,
+                                        queued=args.queued))
+            continue
+        for m, cm in mc.items():
             log(f"starting {m} (concurrency {','.join(map(str, cm))}) ...")
             rows.extend(run_method(m, args.pair, workloads, samplings, cm, args.max_tokens,
                                    log, args.prompts_c1, prefix_caching=args.prefix_caching,
-                                   abort_probe=not args.no_abort_probe))
+                                   abort_probe=not args.no_abort_probe, queued=args.queued))
     import torch
 
     cmd = "python bench/e2e.py " + " ".join(sys.argv[1:])
@@ -165,7 +204,7 @@ def main() -> None:
     img = pathlib.Path(args.img if not args.no_doc or args.img != str(IMG)
                        else tempfile.mkdtemp(prefix="e2e-plots-"))
     # An interleaved run has its own section and plots beside the sequential one's.
-    suffix = "_interleaved" if args.interleave else ""
+    suffix = ("_interleaved" if args.interleave else "") + ("_queued" if args.queued else "")
     pngs = engine_plots(rows, img, suffix)
     rel = [os.path.relpath(p, pathlib.Path(args.doc).parent) for p in pngs]
     head = (f"### End to end on SmolLM2-135M-Instruct (bench/e2e.py), "
@@ -177,15 +216,22 @@ def main() -> None:
             f"{os.environ.get('LD_PRELOAD', '(none)')}, engine step profile on for every "
             f"method. Command: `{cmd}`; "
             f"{drafter_summary(os.path.join(args.pair, 'draft'))}. "
-            f"{args.prompts} prompts per workload ({args.prompts_c1} at concurrency 1; "
-            f"cycled above {args.prompts}), {args.max_tokens} new tokens at most, "
+            + (f"Queued: {args.queued} requests per setting in one `generate` call "
+               f"to engines of max_num_seqs = c (a request starts as a slot frees), "
+               f"{args.prompts} prompts per workload (cycled above), "
+               if args.queued else
+               f"{args.prompts} prompts per workload ({args.prompts_c1} at concurrency 1; "
+               f"cycled above {args.prompts}), ")
+            + f"{args.max_tokens} new tokens at most, "
             f"chat template applied; prefix caching "
             f"{'on (vLLM default)' if args.prefix_caching else 'off'}; "
             f"t0.7 = temperature 0.7, top-p 0.95, no per-request "
             f"seed; ngram k 5 (lookup 2-4), DSpine/dflash k {K}; the methods that verify all "
             f"{K} drafts ({', '.join(FIXED_METHODS)}) ran up to concurrency "
             f"{args.fixed_max_concurrency or max(concs)}. "
-            + (f"Interleaved: all engines side by side, each setting {args.interleave} "
+            + (f"Interleaved: all engines side by side"
+               + (" (a set per concurrency)" if args.queued else "")
+               + f", each setting {args.interleave} "
                f"rounds of every method (order rotated"
                + (f"; {', '.join(FIXED_METHODS)} in the first {args.fixed_rounds} only"
                   if args.fixed_rounds else "")

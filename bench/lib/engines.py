@@ -4,7 +4,8 @@
 `Engine` is one method's vLLM `LLM` in this process (its engine core in its own process,
 as users run it) with the engine step profile on (`VLLM_DSPINE_STEP_PROFILE`,
 vllm_dspine/step_profile.py); each `measure` call runs one (workload, sampling,
-concurrency) setting and returns its row (tokens/s, vLLM's acceptance counters through
+concurrency) setting, its requests submitted as `submission` plans them (waves of c, or
+one queue), and returns its row (tokens/s, vLLM's acceptance counters through
 `vllm_dspine.serving.metrics`, the step profile's ms per step); `close` runs the abort
 probe. `run_method` runs every setting on one engine; `run_interleaved` starts every
 method's engine side by side and runs each setting round by round. bench/lib/report.py
@@ -86,6 +87,24 @@ def spec_of(method: str, pair: str) -> dict | None:
     raise ValueError(f"unknown method {method!r}")
 
 
+def submission(n_prompts: int, c: int, prompts_c1: int | None = None,
+               queued: int = 0) -> tuple[int, list[tuple[int, int]]]:
+    """How `Engine.measure` submits one setting: (requests, [(first, end) of each
+    `generate` call]). Waves (queued 0): max(n_prompts, c) requests (the prompts cycled
+    above n_prompts; at c = 1 the first `prompts_c1` only), c per call, so a call lasts
+    as long as its slowest request. Queued (queued N > 0): N requests (cycled) in one call
+    to an engine of max_num_seqs = c, so a request waits for a free slot and takes it as
+    soon as one frees, as a loaded server's do."""
+    if c < 1 or n_prompts < 1:
+        raise ValueError(f"concurrency {c} and prompts {n_prompts} must be >= 1")
+    if queued:
+        if queued < c:
+            raise ValueError(f"queued {queued} requests cannot fill concurrency {c}")
+        return queued, [(0, queued)]
+    n = min(prompts_c1, n_prompts) if c == 1 and prompts_c1 else max(n_prompts, c)
+    return n, [(i, min(i + c, n)) for i in range(0, n, c)]
+
+
 def profile_delta(before: dict | None, after: dict | None) -> dict:
     """Per-step milliseconds of each section between two profile snapshots."""
     if after is None:
@@ -155,6 +174,7 @@ class Engine:
         from vllm import LLM
 
         self.method = method
+        self.max_num_seqs = max_num_seqs
         profile_dir = profile_dir or tempfile.mkdtemp(prefix="dspine-profile-")
         self.profile_path = os.path.join(profile_dir, f"{method}.json")
         os.environ[PROFILE_ENV] = self.profile_path  # read by the engine process it starts
@@ -175,17 +195,23 @@ class Engine:
                     add_special_tokens=False)["input_ids"] for p in prompts]
 
     def measure(self, wname: str, ids: list[list[int]], sname: str, c: int,
-                max_tokens: int, prompts_c1: int | None = None) -> dict:
+                max_tokens: int, prompts_c1: int | None = None, queued: int = 0) -> dict:
         """One (workload, sampling, concurrency) setting: its prompts submitted c at a
-        time. Returns the row (tokens/s, acceptance, per-step profile, outputs)."""
+        time, or with `queued` N > 0 N requests at once to this engine, whose
+        max_num_seqs must then be c (`submission`). Returns the row (tokens/s,
+        acceptance, per-step profile, outputs)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm_dspine.step_profile import read
 
         llm = self.llm
+        if queued and self.max_num_seqs != c:
+            # The engine's max_num_seqs is what bounds the running requests of a queue.
+            raise ValueError(f"a queue at concurrency {c} needs an engine of "
+                             f"max_num_seqs {c}, not {self.max_num_seqs}")
         # Concurrency 1 is slow on CPU: it may run on the first prompts only; a
         # concurrency above the prompt count cycles the prompts.
-        n = min(prompts_c1, len(ids)) if c == 1 and prompts_c1 else max(len(ids), c)
+        n, calls = submission(len(ids), c, prompts_c1, queued)
         run_ids = [ids[i % len(ids)] for i in range(n)]
         if sname == "greedy":
             params = [SamplingParams(temperature=0.0, max_tokens=max_tokens)] * n
@@ -201,8 +227,7 @@ class Engine:
         start = time.perf_counter()
         tokens = 0
         outs = []
-        for i in range(0, n, c):
-            j = min(i + c, n)
+        for i, j in calls:
             res = llm.generate([TokensPrompt(prompt_token_ids=x) for x in run_ids[i:j]],
                                params[i:j], use_tqdm=False)
             tokens += sum(len(o.outputs[0].token_ids) for o in res)
@@ -212,7 +237,7 @@ class Engine:
         after = spec_decode_counters(llm)
         tau, per_pos = acceptance(before, after)
         return {"method": self.method, "workload": wname, "sampling": sname,
-                "concurrency": c, "prompts": n, "tokens": tokens,
+                "concurrency": c, "prompts": n, "queued": queued, "tokens": tokens,
                 "seconds": elapsed, "tok_per_s": tokens / elapsed,
                 "acceptance_length": tau, "acceptance_per_pos": per_pos,
                 "step_ms": profile_delta(prof0, prof1),
@@ -227,7 +252,9 @@ class Engine:
         engine's rows, shutdown."""
         from vllm_dspine.step_profile import read
 
-        probe = (abort_probe(self.llm, first_ids, self.profile_path) if probe_abort
+        # At most max_num_seqs of the probe's requests run at once: it waits for all.
+        probe = (abort_probe(self.llm, first_ids, self.profile_path,
+                             min(8, self.max_num_seqs)) if probe_abort
                  else {"abort_ms": None, "kv_usage_after_abort": None})
         final = read(self.profile_path) or {}
         for r in rows:
@@ -258,8 +285,14 @@ def log_row(log, row: dict, suffix: str = "") -> None:
 def run_method(method: str, pair: str, workloads: dict, samplings: list[str],
                concurrencies: list[int], max_tokens: int, log,
                prompts_c1: int | None = None, profile_dir: str | None = None,
-               prefix_caching: bool = False, abort_probe: bool = True) -> list[dict]:
-    """Every setting of one method, on one engine started for it."""
+               prefix_caching: bool = False, abort_probe: bool = True,
+               queued: int = 0) -> list[dict]:
+    """Every setting of one method, on one engine started for it (of max_num_seqs the
+    largest concurrency; with `queued` N > 0 each setting is N requests in one queue,
+    `Engine.measure`, so the concurrencies must then be one)."""
+    if queued and len(set(concurrencies)) != 1:
+        raise ValueError("a queued run has one concurrency per engine "
+                         f"(max_num_seqs = c), not {concurrencies}")
     eng = Engine(method, pair, max(concurrencies), profile_dir, prefix_caching)
     rows = []
     first_ids = None
@@ -268,7 +301,8 @@ def run_method(method: str, pair: str, workloads: dict, samplings: list[str],
         first_ids = first_ids or ids
         for sname in samplings:
             for c in concurrencies:
-                rows.append(eng.measure(wname, ids, sname, c, max_tokens, prompts_c1))
+                rows.append(eng.measure(wname, ids, sname, c, max_tokens, prompts_c1,
+                                        queued))
                 log_row(log, rows[-1])
     eng.close(rows, first_ids, log, abort_probe)
     return rows
@@ -277,15 +311,20 @@ def run_method(method: str, pair: str, workloads: dict, samplings: list[str],
 def run_interleaved(methods: dict[str, list[int]], pair: str, workloads: dict,
                     samplings: list[str], max_tokens: int, rounds: int, log,
                     prompts_c1: int | None = None, prefix_caching: bool = False,
-                    fixed_rounds: int = 0, abort_probe: bool = True) -> list[dict]:
+                    fixed_rounds: int = 0, abort_probe: bool = True,
+                    queued: int = 0) -> list[dict]:
     """All methods' engines started side by side; each setting then runs `rounds`
     times, every round running each method once (the order rotated round to round), so
     a drift of the machine enters all methods of a round alike. A method's row is its
     totals over the rounds, with `x_plain_rounds`: its tokens/s over plain's of the same
     round. `methods` maps each method to its concurrencies. `fixed_rounds` > 0: the
     methods that verify all 15 drafts run in the first `fixed_rounds` rounds only (at
-    concurrency 32 one of their rounds takes as long as ten of the others')."""
+    concurrency 32 one of their rounds takes as long as ten of the others'). `queued` N
+    > 0: each setting is N requests in one queue (`Engine.measure`) on engines of
+    max_num_seqs = c, so the methods must then share one concurrency."""
     concs = sorted({c for cs in methods.values() for c in cs})
+    if queued and len(concs) != 1:
+        raise ValueError(f"a queued run has one concurrency per engine set, not {concs}")
     engines = {}
     for m in methods:
         log(f"starting {m} ...")
@@ -310,7 +349,8 @@ def run_interleaved(methods: dict[str, list[int]], pair: str, workloads: dict,
                         # not share the core with the next method's run.
                         time.sleep(1.5)
                         per_round[m].append(engines[m].measure(wname, ids, sname, c,
-                                                               max_tokens, prompts_c1))
+                                                               max_tokens, prompts_c1,
+                                                               queued))
                         log_row(log, per_round[m][-1], f"  (round {r + 1})")
                 plain = per_round.get("plain")
                 for m in todo:
