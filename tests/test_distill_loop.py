@@ -220,6 +220,63 @@ def test_sample_batch_anchors_and_cut():
         assert min(seen[i]) == first[i] and max(seen[i]) == T - 2
 
 
+def _bf16_data(data: DistillData, k: int = 5) -> DistillData:
+    """`data` as the feature store hands it over: features as bf16 bits (uint16 arrays),
+    and a made-up top-k (ids, log-probabilities) per position."""
+    from vllm_dspine.train.feature_store import _bf16_bits
+
+    gen = torch.Generator().manual_seed(3)
+    V = int(torch.cat(data.ids).max()) + 1
+    tids = [torch.randint(0, V, (len(x), k), generator=gen).int().numpy() for x in data.ids]
+    tlp = [torch.randn(len(x), k, generator=gen).half().numpy() for x in data.ids]
+    return DistillData(ids=data.ids, feats=[_bf16_bits(f) for f in data.feats],
+                       first_anchor=data.first_anchor, topk_ids=tids, topk_logp=tlp)
+
+
+def test_device_batches_are_the_host_batches(inputs):
+    """`DeviceData.batch` (everything concatenated once, gathered by index: the GPU path)
+    gives exactly `sample_batch`'s tensors for the same draws, padding included."""
+    data = _bf16_data(inputs[4])
+    dev = loop.DeviceData(data, torch.device("cpu"))
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    for seqs in ([0, 4, 2], [5, 1], [3, 3, 0, 4]):
+        ids, feats, anchors, rows, topk = sample_batch(data, seqs, 4, 8, g1)
+        a2, r2 = loop.draw_anchors(data, seqs, 4, 8, g2)
+        ids2, feats2, rows2, topk2 = dev.batch(seqs, r2)
+        assert torch.equal(anchors, a2) and torch.equal(rows, rows2)
+        assert torch.equal(ids, ids2) and torch.equal(feats, feats2)
+        assert torch.equal(topk[0], topk2[0]) and torch.equal(topk[1], topk2[1])
+
+
+def test_device_data_path_trains_as_the_host_path(inputs, tmp_path):
+    """The training loop through `DeviceData` (what runs on a GPU) takes the same steps
+    as through `sample_batch`: same losses (soft targets, tail loss on) to fp32 rounding,
+    so the GPU path is this loop, not another one."""
+    cfg, init, embed, head, data = inputs
+    data = _bf16_data(data)
+    s = DistillSettings(steps=3, seqs_per_step=3, blocks_per_seq=4, lr=1e-3, warmup=1,
+                        ckpt_every=100, seed=0, soft=True, tail_weight=1.0)
+    out = {}
+    for on in (False, True):
+        distill(cfg, init, embed, head, data, s, str(tmp_path / str(on)), progress=False,
+                device_data=on)
+        out[on] = _losses(tmp_path / str(on))
+    # The two paths feed identical batches; only summation order may differ (1e-5).
+    assert torch.allclose(torch.tensor(out[True]), torch.tensor(out[False]), atol=1e-5)
+
+
+def test_time_budget_fixes_the_steps(inputs, tmp_path):
+    """--time-budget: the steps are chosen after the probe steps and recorded; a budget
+    already spent stops right after the probe, an ample one keeps `steps`."""
+    s = DistillSettings(steps=14, seqs_per_step=2, blocks_per_seq=2, lr=1e-3, warmup=10,
+                        ckpt_every=100, seed=0, time_budget=0.0, probe_steps=7)
+    _, stats = _run(inputs, tmp_path / "spent", s)
+    assert stats["steps"] == 8 and len(_losses(tmp_path / "spent")) == 8
+    _, stats = _run(inputs, tmp_path / "ample",
+                    DistillSettings(**{**s.__dict__, "time_budget": 1e6}))
+    assert stats["steps"] == 14 and len(_losses(tmp_path / "ample")) == 14
+
+
 # ---------------------------------------------------------------------- loss curve
 def _assert_png(path):
     with open(path, "rb") as f:

@@ -119,6 +119,33 @@ def test_feature_store_matches_the_target(corpus_dir, target, pair, tmp_path):
         build_store(pair.target_dir, corpus_dir, store, cfg.target_layer_ids, topk=4)
 
 
+def test_transformers_engine_generates_what_the_target_decodes(pair, target):
+    """The corpus engine for machines without vLLM (`TransformersEngine`, a GPU's):
+    left-padded batches of unequal prompts decode greedily exactly what one unpadded
+    sequence decodes token by token, an answer ends after its first end-of-sequence
+    token (kept), and sampled answers are repeatable under the same seed."""
+    from vllm_dspine.train.target_data import TransformersEngine
+
+    eng = TransformersEngine(pair.target_dir, "cpu", batch_size=3)
+    eng.model = target  # the module fixture's copy: same weights
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(32, 127, (n,), generator=gen).tolist() for n in (3, 9, 5, 12)]
+    eos = int(eng.eos[0])
+    out = eng.generate(prompts, 10, [0.0] * 4, seed=0)
+    for p, new in zip(prompts, out):
+        cur = list(p)
+        with torch.no_grad():
+            for _ in range(10):
+                cur.append(int(target(input_ids=torch.tensor([cur])).logits[0, -1].argmax()))
+                if cur[-1] == eos:
+                    break
+        assert new == cur[len(p):]
+        assert eos not in new[:-1]
+    temps = [0.7, 1.0, 0.0, 0.7]
+    a, b = eng.generate(prompts, 10, temps, seed=3), eng.generate(prompts, 10, temps, seed=3)
+    assert a == b and a[2] == out[2] and len(a[0]) >= 1
+
+
 def test_soft_targets_read_the_distribution_that_predicted_each_row():
     """Row t of the block anchored at p is the token at p + t; the target predicted it
     at position p + t - 1, so that position's top-k is its target."""

@@ -182,6 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab-coverage", type=float, default=0.995)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--device", default="auto",
+                    help="torch device of the features and the training (auto: the GPU "
+                         "where one is visible, else cpu; under torchrun cuda:LOCAL_RANK)")
+    ap.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                    help="train as many of --steps as end SECONDS after this command "
+                         "started (features included; for a machine lent for a fixed "
+                         "time): fixed after the first timed steps and recorded, so "
+                         "--steps with that number repeats the run")
+    ap.add_argument("--feature-batch-tokens", type=int, default=4096,
+                    help="padded tokens per target forward while computing features")
     ap.add_argument("--name", default=None, help="run name (WORK/train-NAME)")
     args = ap.parse_args(argv)
     preset = PRESETS.get(args.preset, {})
@@ -206,10 +216,17 @@ def main(argv: list[str] | None = None) -> int:
     # Under torchrun: rank 0 builds the feature store, the others wait for it, then every
     # rank trains on its share of each global batch (DDP, `train/loop.py`); rank 0 exports.
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and world > 1:
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
     if world > 1:
         import torch.distributed as dist
 
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     tcfg = AutoConfig.from_pretrained(args.target)
     if args.mask_token_id is None:
         raise ValueError("--mask-token-id is required without a --preset: the id of a "
@@ -222,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                            target_layers, args.mask_token_id)
     store = os.path.join(work, "features")
     if rank == 0:
-        build_store(args.target, args.corpus, store, target_layers, args.topk, args.shards)
+        build_store(args.target, args.corpus, store, target_layers, args.topk, args.shards,
+                    device, args.feature_batch_tokens)
     if world > 1:
         dist.barrier()
     corpus, feats, tids, tlp = load_corpus_data(args.corpus, store, args.shards)
@@ -277,11 +295,18 @@ def main(argv: list[str] | None = None) -> int:
                                blocks_per_seq=args.blocks_per_seq, lr=args.lr,
                                seed=args.seed, soft=args.loss == "soft",
                                tail_weight=args.tail_weight if args.variant == "full" else 0.0,
-                               train_rows=args.train_rows)
+                               train_rows=args.train_rows,
+                               time_budget=None if args.time_budget is None else
+                               args.time_budget - (time.time() - t_start))
+    if settings.time_budget is not None and settings.time_budget <= 0:
+        raise ValueError(f"--time-budget {args.time_budget:.0f} s is spent before training "
+                         f"starts ({time.time() - t_start:.0f} s for features and set-up): "
+                         f"give more")
     name = args.name or args.variant
     train_dir = os.path.join(work, f"train-{name}")
     _log(f"distilling {name}: {settings}")
-    tensors, stats = distill(cfg, init, embed, head, data, settings, train_dir, frozen=frozen)
+    tensors, stats = distill(cfg, init, embed, head, data, settings, train_dir, frozen=frozen,
+                             device=device)
     if rank != 0:
         return 0
     out = os.path.abspath(args.out or os.path.join(work, f"draft-{name}"))
@@ -300,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
              "settings": dataclasses.asdict(settings), **stats}
     if args.held_out_corpus:
         held_store = os.path.join(work, "features-held-out")
-        build_store(args.target, args.held_out_corpus, held_store, target_layers, args.topk)
+        build_store(args.target, args.held_out_corpus, held_store, target_layers, args.topk,
+                    device=device, batch_tokens=args.feature_batch_tokens)
         ho, hf, _, _ = load_corpus_data(args.held_out_corpus, held_store)
         stage["held_out"] = held_out_acceptance(
             cfg, {k: v.float() for k, v in bf16.items()}, embed, head, vocab, ho, hf,

@@ -245,15 +245,36 @@ def build_shard(llm, tokenizer, k: int, n: int, static, seen: set[str], max_toke
     return seqs, starts, [s for s, _, _ in chosen], [key for _, key, _ in chosen], temps
 
 
+def static_prompts(seed: int = 0, docs_dir: str | None = None
+                   ) -> dict[str, list[tuple[str, str]]]:
+    """The static sources' prompts in their seeded order: {source: [(key, prompt)]}."""
+    from vllm_dspine.train import prompts as P
+
+    docs_dir = docs_dir or os.path.join(os.path.dirname(__file__), "..", "..", "docs")
+    return {"debian": P.debian_prompts(seed), "python": P.python_prompts(seed),
+            "docs": [(f"docs:{i}", p) for i, p in enumerate(P.doc_prompts(docs_dir, seed))]}
+
+
+def make_engine(target_dir: str, engine: str, device: str, max_num_seqs: int):
+    """vLLM (`make_llm`, this machine's build) or transformers on `device` (a machine
+    without vLLM, a GPU's: `TransformersEngine`)."""
+    from vllm_dspine.train.target_data import TransformersEngine, make_llm
+
+    if engine == "vllm":
+        return make_llm(target_dir, max_model_len=2048, max_num_seqs=max_num_seqs)
+    if engine == "transformers":
+        return TransformersEngine(target_dir, device, batch_size=max_num_seqs)
+    raise ValueError(f"--engine {engine!r}: choose vllm or transformers")
+
+
 def grow(target_dir: str, folder: str, shards: int, prompts_per_shard: int,
          max_tokens: int = 256, greedy_share: float = 0.75, temperature: float = 0.7,
-         seed: int = 0, max_num_seqs: int = 64, docs_dir: str | None = None) -> dict:
+         seed: int = 0, max_num_seqs: int = 64, docs_dir: str | None = None,
+         engine: str = "vllm", device: str = "cpu", static_file: str | None = None) -> dict:
     """Add shards to `folder` until it holds `shards` of them; finished shards are kept
-    as they are. -> the manifest"""
+    as they are. `static_file`: the static sources' prompts as `--write-static-prompts`
+    wrote them (another machine's Debian lists and Python differ). -> the manifest"""
     from transformers import AutoTokenizer
-
-    from vllm_dspine.train import prompts as P
-    from vllm_dspine.train.target_data import make_llm
 
     os.makedirs(folder, exist_ok=True)
     manifest = read_manifest(folder)
@@ -266,11 +287,13 @@ def grow(target_dir: str, folder: str, shards: int, prompts_per_shard: int,
     for s in manifest["shards"]:
         with np.load(os.path.join(folder, s["file"])) as z:
             seen.update(z["prompt_sha1"].tolist())
-    docs_dir = docs_dir or os.path.join(os.path.dirname(__file__), "..", "..", "docs")
-    static = {"debian": P.debian_prompts(seed), "python": P.python_prompts(seed),
-              "docs": [(f"docs:{i}", p) for i, p in enumerate(P.doc_prompts(docs_dir, seed))]}
+    if static_file:
+        with open(static_file) as f:
+            static = {k: [tuple(x) for x in v] for k, v in json.load(f).items()}
+    else:
+        static = static_prompts(seed, docs_dir)
     _log(f"static sources: " + ", ".join(f"{k} {len(v)}" for k, v in static.items()))
-    llm = make_llm(target_dir, max_model_len=2048, max_num_seqs=max_num_seqs)
+    llm = make_engine(target_dir, engine, device, max_num_seqs)
     manifest.setdefault("target", os.path.basename(os.path.abspath(target_dir)))
     manifest.setdefault("settings", {"max_tokens": max_tokens, "greedy_share": greedy_share,
                                      "temperature": temperature, "top_p": 0.95,
@@ -282,7 +305,8 @@ def grow(target_dir: str, folder: str, shards: int, prompts_per_shard: int,
             temperature, seed)
         entry = write_shard(folder, f"shard-{k:05d}.npz", seqs, starts, source, key, temps,
                             len(tok))
-        entry.update(seconds=round(time.time() - t0, 1), date=time.strftime("%Y-%m-%d"))
+        entry.update(seconds=round(time.time() - t0, 1), date=time.strftime("%Y-%m-%d"),
+                     engine=engine if engine == "vllm" else f"{engine} ({device})")
         manifest["shards"].append(entry)
         _write_manifest(folder, manifest)
         _log(f"shard {k}: {entry}")
@@ -290,13 +314,13 @@ def grow(target_dir: str, folder: str, shards: int, prompts_per_shard: int,
 
 
 def held_out_shard(target_dir: str, folder: str, prompts_file: str, max_tokens: int = 256,
-                   max_num_seqs: int = 64) -> dict:
+                   max_num_seqs: int = 64, engine: str = "vllm", device: str = "cpu") -> dict:
     """A corpus of one greedy shard from given prompts (JSON lines of {"source", "key",
     "prompt"}, sources `humaneval` / `bench-chat`): held-out text whose prompts come from
     sources training never sees. -> the manifest"""
     from transformers import AutoTokenizer
 
-    from vllm_dspine.train.target_data import chat_ids, generate_answers, make_llm
+    from vllm_dspine.train.target_data import chat_ids, generate_answers
 
     os.makedirs(folder, exist_ok=True)
     manifest = read_manifest(folder)
@@ -309,7 +333,7 @@ def held_out_shard(target_dir: str, folder: str, prompts_file: str, max_tokens: 
         raise ValueError(f"{prompts_file}: held-out sources must be one of {SOURCES[4:]}, "
                          f"got {bad}")
     tok = AutoTokenizer.from_pretrained(target_dir)
-    llm = make_llm(target_dir, max_model_len=2048, max_num_seqs=max_num_seqs)
+    llm = make_engine(target_dir, engine, device, max_num_seqs)
     prompts = [it["prompt"] for it in items]
     seqs = generate_answers(llm, tok, prompts, max_tokens, 1.0, 0.0, 0)
     entry = write_shard(folder, "shard-00000.npz", seqs,
@@ -339,11 +363,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--greedy-share", type=float, default=0.75)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=64,
+                    help="sequences generated at once (vLLM's max_num_seqs; the "
+                         "transformers engine's batch)")
+    ap.add_argument("--engine", choices=["vllm", "transformers"], default="vllm",
+                    help="vllm (default), or transformers on --device where vLLM is not "
+                         "installed (a GPU machine with torch alone)")
+    ap.add_argument("--device", default="cpu", help="--engine transformers: torch device")
+    ap.add_argument("--static-prompts", default=None, metavar="FILE",
+                    help="read the static sources' prompts from FILE (written here by "
+                         "--write-static-prompts) instead of this machine's lists")
+    ap.add_argument("--write-static-prompts", default=None, metavar="FILE",
+                    help="instead: write the static sources' prompts to FILE and stop")
     ap.add_argument("--coverage-of", default=None, metavar="HELD_OUT",
                     help="instead: print how the corpus's vocabulary covers the answers of "
                          "the held-out corpus HELD_OUT as shards are added (no engine)")
     args = ap.parse_args(argv)
+    if args.write_static_prompts:
+        static = static_prompts(args.seed)
+        with open(args.write_static_prompts, "w") as f:
+            json.dump(static, f)
+        _log(f"{args.write_static_prompts}: " +
+             ", ".join(f"{k} {len(v)}" for k, v in static.items()))
+        return 0
     if args.coverage_of:
         with open(os.path.join(args.target, "config.json")) as f:
             vocab_size = json.load(f)["vocab_size"]
@@ -360,13 +402,14 @@ def main(argv: list[str] | None = None) -> int:
     set_cpu_defaults()
     if args.held_out_prompts:
         m = held_out_shard(args.target, args.corpus, args.held_out_prompts, args.max_tokens,
-                           args.max_num_seqs)
+                           args.max_num_seqs, args.engine, args.device)
         _log(f"held-out corpus: {m['shards'][0]}")
         return 0
     if args.shards is None:
         ap.error("--shards N (grow the corpus) or --held-out-prompts FILE is required")
     m = grow(args.target, args.corpus, args.shards, args.prompts_per_shard, args.max_tokens,
-             args.greedy_share, seed=args.seed, max_num_seqs=args.max_num_seqs)
+             args.greedy_share, seed=args.seed, max_num_seqs=args.max_num_seqs,
+             engine=args.engine, device=args.device, static_file=args.static_prompts)
     total = sum(s["answer_tokens"] for s in m["shards"])
     _log(f"{len(m['shards'])} shards, {total} answer tokens")
     return 0

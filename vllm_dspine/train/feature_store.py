@@ -50,7 +50,7 @@ def features_and_topk(model, ids: torch.Tensor,  # [S, T]
     """One target forward: features [S, T, F*H], top-k ids [S, T, k] and their
     log-probabilities [S, T, k] of the next-token distribution at every position."""
     with _capture_layer_outputs(model, layer_ids) as taken:
-        logits = model(input_ids=ids, use_cache=False).logits.float()  # [S, T, V]
+        logits = model(input_ids=ids.to(model.device), use_cache=False).logits.float()  # [S, T, V]
     feats = torch.cat([taken[i][0] for i in layer_ids], dim=-1)
     logp = torch.log_softmax(logits, dim=-1)
     top = logp.topk(topk, dim=-1)
@@ -76,6 +76,7 @@ def write_shard_features(model, corpus: Corpus, shard: str, store: str,
     offsets[1:] = np.cumsum([len(s) for s in seqs])
     for group, ids in padded_batches(seqs, batch_tokens):
         f, ti, tl = features_and_topk(model, ids, layer_ids, topk)
+        f, ti, tl = f.to(torch.bfloat16).cpu(), ti.cpu(), tl.cpu()  # one copy a batch
         for r, g in enumerate(group):
             a, b = offsets[g], offsets[g + 1]
             n = b - a
@@ -90,8 +91,11 @@ def write_shard_features(model, corpus: Corpus, shard: str, store: str,
 
 
 def build_store(target_dir: str, corpus_dir: str, store: str, layer_ids: tuple[int, ...],
-                topk: int = 32, limit_shards: int | None = None) -> dict:
-    """Features of every corpus shard not yet in the store. -> the store's index"""
+                topk: int = 32, limit_shards: int | None = None, device: str = "cpu",
+                batch_tokens: int = 4096) -> dict:
+    """Features of every corpus shard not yet in the store, the target run on `device`
+    (fp32, no TF32: the features vLLM hands the drafter), `batch_tokens` padded tokens a
+    forward. -> the store's index"""
     from vllm_dspine.train.target_data import load_target
 
     os.makedirs(store, exist_ok=True)
@@ -109,11 +113,14 @@ def build_store(target_dir: str, corpus_dir: str, store: str, layer_ids: tuple[i
     todo = [s for s in first_shards(corpus_dir, limit_shards) if s not in done]
     if not todo:
         return index
-    model = load_target(target_dir)
+    model = load_target(target_dir).to(device)
+    if model.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
     for shard in todo:
         t0 = time.time()
         corpus = Corpus(corpus_dir, [shard])
-        entry = write_shard_features(model, corpus, shard, store, layer_ids, topk)
+        entry = write_shard_features(model, corpus, shard, store, layer_ids, topk,
+                                     batch_tokens)
         entry["seconds"] = round(time.time() - t0, 1)
         index["shards"].append(entry)
         with open(index_path + ".tmp", "w") as f:

@@ -59,8 +59,8 @@ def block_labels(ids: torch.Tensor,  # [S, T]
     """Token each proposal row must predict: ids[s, anchor + t], t = 1..K; IGNORE where
     that position is past the sequence's end.  -> [S, nb, K]"""
     S, T = ids.shape
-    pos = anchors[..., None] + torch.arange(1, block_size)  # [S, nb, K]
-    end = torch.full((S,), T) if lengths is None else lengths
+    pos = anchors[..., None] + torch.arange(1, block_size, device=ids.device)  # [S, nb, K]
+    end = torch.full((S,), T, device=ids.device) if lengths is None else lengths
     valid = pos < end[:, None, None]
     labels = ids.gather(1, pos.clamp(max=T - 1).view(S, -1)).view_as(pos)
     return torch.where(valid, labels, torch.full_like(labels, IGNORE))
@@ -85,7 +85,8 @@ def soft_targets(topk_ids: torch.Tensor,  # [S, T, k]  target's top-k at each po
     ids outside the loss vocabulary dropped and the rest renormalised.
     -> ids [S, nb, K, k] (loss numbering, IGNORE where dropped), probs [S, nb, K, k]"""
     S, T, k = topk_ids.shape
-    pos = (anchors[..., None] + torch.arange(block_size - 1)).clamp(max=T - 1)  # [S, nb, K]
+    pos = (anchors[..., None] + torch.arange(block_size - 1, device=anchors.device)
+           ).clamp(max=T - 1)  # [S, nb, K]
     flat = pos.view(S, -1, 1).expand(-1, -1, k)  # [S, nb*K, k]
     ids = remap[topk_ids.gather(1, flat).long()].view(*pos.shape, k)
     probs = topk_logp.gather(1, flat).float().exp().view(*pos.shape, k)
@@ -140,7 +141,8 @@ def block_loss(cfg: DSpineConfig, w: dict[str, torch.Tensor],
     if tail_weight > 0:
         B = cfg.block_size
         # rows past the text's end are ignored rows: any valid index serves them
-        pos = (anchors[..., None] + torch.arange(B) - 1).clamp(0, ids.shape[1] - 1)  # [S, nb, B]
+        pos = (anchors[..., None] + torch.arange(B, device=ids.device) - 1
+               ).clamp(0, ids.shape[1] - 1)  # [S, nb, B]
         pred = ids.gather(1, pos.view(ids.shape[0], -1)).view(pos.shape)
         pred[..., 0] = ids.gather(1, anchors)  # row 0: the anchor (never scored)
         final = last_write_with_predecessor(cfg, w, out, pred)  # [S, nb, B, H]
@@ -185,6 +187,11 @@ class DistillSettings:
     soft: bool = False  # distil to the target's top-k distribution (needs DistillData.topk_*)
     tail_weight: float = 0.0  # weight of the discrete-predecessor (tail) loss, rows 2..K
     train_rows: int | None = None  # proposal rows trained per block (None: all K)
+    # Seconds of training this run may take: the steps are fixed after `probe_steps`
+    # timed steps (inside the warm-up, so the schedule is that of a run given those
+    # steps; the record keeps the number, and `steps` = it reproduces the run).
+    time_budget: float | None = None
+    probe_steps: int = 20
 
 
 @dataclass
@@ -223,13 +230,7 @@ def sample_batch(data: DistillData, seqs: list[int], blocks_per_seq: int, block_
     after the last anchor's block and right-padded to one length.
     -> ids [S, T], feats [S, T, F*H], anchors [S, nb], lengths [S], and the target's
     top-k (ids [S, T, k], log-probabilities [S, T, k]) when the data has them, else None"""
-    rows, anchors = [], []
-    for i in seqs:
-        T = len(data.ids[i])
-        lo = min(data.first_anchor[i], T - 2)
-        a = torch.randint(lo, T - 1, (blocks_per_seq,), generator=gen)  # [nb]
-        anchors.append(a)
-        rows.append(min(T, int(a.max()) + block_size))
+    anchors, rows = draw_anchors(data, seqs, blocks_per_seq, block_size, gen)
     Tm = max(rows)
     fh = data.feats[seqs[0]].shape[1]
     ids = torch.zeros(len(seqs), Tm, dtype=torch.long)
@@ -245,7 +246,69 @@ def sample_batch(data: DistillData, seqs: list[int], blocks_per_seq: int, block_
         if topk is not None:
             topk[0][r, :t] = _rows(data.topk_ids[i], t).long()
             topk[1][r, :t] = _rows(data.topk_logp[i], t).float()
-    return ids, feats, torch.stack(anchors), torch.tensor(rows), topk
+    return ids, feats, anchors, torch.tensor(rows), topk
+
+
+def draw_anchors(data: DistillData, seqs: list[int], blocks_per_seq: int, block_size: int,
+                 gen: torch.Generator) -> tuple[torch.Tensor, list[int]]:
+    """Anchors of `seqs` drawn uniformly in [first_anchor, T - 2], and how many rows of
+    each sequence its last block reaches.  -> anchors [S, nb], rows (S ints)"""
+    rows, anchors = [], []
+    for i in seqs:
+        T = len(data.ids[i])
+        lo = min(data.first_anchor[i], T - 2)
+        a = torch.randint(lo, T - 1, (blocks_per_seq,), generator=gen)  # [nb]
+        anchors.append(a)
+        rows.append(min(T, int(a.max()) + block_size))
+    return torch.stack(anchors), rows
+
+
+class DeviceData:
+    """Every sequence of a DistillData concatenated once on `device` (features in bf16, as
+    stored), so that a batch is gathered there by index: `sample_batch` copies
+    memory-mapped rows on the host, which leaves a GPU waiting. Same batches as
+    `sample_batch` for the same draws."""
+
+    def __init__(self, data: DistillData, device: torch.device):
+        lengths = [len(x) for x in data.ids]
+        self.offsets = torch.tensor([0] + np.cumsum(lengths).tolist(),
+                                    device=device)  # [n + 1]
+        self.ids = torch.cat(data.ids).to(device)  # [N]
+        self.feats = torch.cat([_rows_bf16(f) for f in data.feats]).to(device)  # [N, F*H]
+        self.topk = None
+        if data.topk_ids is not None:
+            self.topk = (torch.cat([torch.as_tensor(np.asarray(x)) for x in data.topk_ids]
+                                   ).to(device),  # [N, k]
+                         torch.cat([torch.as_tensor(np.asarray(x)) for x in data.topk_logp]
+                                   ).to(device))  # [N, k]
+        self.device = device
+
+    def batch(self, seqs: list[int], rows: list[int]):
+        """-> ids [S, T], feats [S, T, F*H] fp32, lengths [S], top-k or None, as
+        `sample_batch` (zeros past each row's end; top-k log-probabilities -1e4 there)."""
+        dev = self.device
+        lengths = torch.tensor(rows, device=dev)  # [S]
+        col = torch.arange(max(rows), device=dev)  # [T]
+        valid = col[None] < lengths[:, None]  # [S, T]
+        idx = torch.where(valid, self.offsets[torch.tensor(seqs, device=dev)][:, None] + col,
+                          0)  # [S, T]
+        ids = torch.where(valid, self.ids[idx], 0)
+        feats = self.feats[idx].float() * valid[..., None]
+        topk = None
+        if self.topk is not None:
+            topk = (torch.where(valid[..., None], self.topk[0][idx].long(), 0),
+                    torch.where(valid[..., None], self.topk[1][idx].float(), -1e4))
+        return ids, feats, lengths, topk
+
+
+def _rows_bf16(x) -> torch.Tensor:
+    """A sequence's features as a bf16 tensor (bf16 bits are reinterpreted, not widened)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(torch.bfloat16)
+    a = np.asarray(x)
+    if a.dtype == np.uint16:
+        return torch.from_numpy(np.array(a).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a)).to(torch.bfloat16)
 
 
 def _save_state(path: str, state: dict) -> None:
@@ -280,6 +343,7 @@ def plot_loss(losses: list[float], path: str, title: str) -> None:
 def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tensor,
             head: torch.Tensor, data: DistillData, s: DistillSettings, work_dir: str,
             progress: bool = True, frozen: frozenset[str] = frozenset(),
+            device: str | torch.device = "cpu", device_data: bool | None = None,
             ) -> tuple[dict[str, torch.Tensor], dict]:
     """Train the drafter tensors `init` on `data`; resumes from `work_dir/train_state.pt`.
 
@@ -287,7 +351,11 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
     (the same global batch as one process: all ranks draw the same sequences and
     anchors from the same seeded generator, rank r keeps sequences r, r + world, ...)
     and DDP averages the gradients. Tensors named in `frozen` keep their initial values
-    (the no-bridge ablation holds the bridge writes at zero). -> (trained tensors, stats)
+    (the no-bridge ablation holds the bridge writes at zero). On a `device` other than
+    the CPU the drafter, the target's embedding and head and the whole data
+    (`DeviceData`) live there; the batches are drawn on the host generator as on the
+    CPU (`device_data`: that path on any device, None: off the CPU only).
+    -> (trained tensors on the CPU, stats)
     """
     import torch.distributed as dist
 
@@ -298,19 +366,26 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
                          f"the number of processes ({world})")
     os.makedirs(work_dir, exist_ok=True)
     state_path = os.path.join(work_dir, "train_state.pt")
+    device = torch.device(device)
+    on_device = device.type != "cpu" if device_data is None else device_data
     vocab = data.vocab_ids()  # [V']
     remap = torch.full((embed.shape[0],), IGNORE, dtype=torch.long)
     remap[vocab] = torch.arange(len(vocab))
-    head_v = head[vocab].contiguous()  # [V', H]
+    head_v = head[vocab].contiguous().to(device)  # [V', H]
+    embed, remap = embed.to(device), remap.to(device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # training's matmuls; features stay fp32
+    if on_device:
+        dev_data = DeviceData(data, device)
     if s.soft and data.topk_ids is None:
         raise ValueError("distill: soft=True needs the target's top-k (DistillData.topk_ids)")
     if s.train_rows is not None:
         # Rows are causal inside a block: training the first rows alone gives them the
         # same loss as in the full block, at a fraction of the cost.
         cfg = dataclasses.replace(cfg, block_size=s.train_rows + 1)
-    weights = row_weights(cfg.block_size, s.row_decay)
+    weights = row_weights(cfg.block_size, s.row_decay).to(device)
 
-    module = DrafterParams(init, frozen)
+    module = DrafterParams(init, frozen).to(device)
     trained = [p for p in module.p.values() if p.requires_grad]
     decay = [p for p in trained if p.ndim == 2]
     no_decay = [p for p in trained if p.ndim < 2]
@@ -322,12 +397,15 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
     if os.path.exists(state_path):
         st = torch.load(state_path, weights_only=False)
         module.load_state_dict(st["module"])
+        if st["settings"].get("steps") != s.steps and s.time_budget is not None:
+            s = dataclasses.replace(s, steps=st["settings"]["steps"])  # as the budget chose
         opt.load_state_dict(st["opt"])
         gen.set_state(st["gen"])
         step0, losses = st["step"], st["losses"]
     model = module
     if distributed:
-        model = torch.nn.parallel.DistributedDataParallel(module)
+        model = torch.nn.parallel.DistributedDataParallel(
+            module, device_ids=[device.index] if device.index is not None else None)
 
     bar = None
     if progress and rank == 0:
@@ -337,10 +415,28 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
                    dynamic_ncols=True)
     t0 = time.perf_counter()
     n = len(data.ids)
-    for step in range(step0, s.steps):
+    step = step0
+    while step < s.steps:
+        if s.time_budget is not None and step == step0 + s.probe_steps:
+            # steps 5..probe_steps timed (the first ones warm caches and kernels)
+            per_step = (time.perf_counter() - t_probe) / max(1, s.probe_steps - 5)
+            fit = step + int((s.time_budget - (time.perf_counter() - t0)) / per_step)
+            s = dataclasses.replace(s, steps=max(step + 1, min(s.steps, fit)))
+            if bar is not None:
+                bar.total = s.steps
+            if rank == 0:
+                print(f"distill: {per_step * 1e3:.0f} ms a step: {s.steps} steps fit "
+                      f"{s.time_budget:.0f} s", flush=True)
+        if step == step0 + 5:
+            t_probe = time.perf_counter()
         seqs = torch.randperm(n, generator=gen)[:s.seqs_per_step].tolist()
-        ids, feats, anchors, lengths, topk = sample_batch(data, seqs, s.blocks_per_seq,
-                                                          cfg.block_size, gen)
+        if on_device:
+            anchors, rows = draw_anchors(data, seqs, s.blocks_per_seq, cfg.block_size, gen)
+            anchors = anchors.to(device)
+            ids, feats, lengths, topk = dev_data.batch(seqs, rows)
+        else:
+            ids, feats, anchors, lengths, topk = sample_batch(data, seqs, s.blocks_per_seq,
+                                                              cfg.block_size, gen)
         mine = slice(rank, None, world)
         labels = block_labels(ids, anchors, cfg.block_size, lengths)
         labels = torch.where(labels == IGNORE, labels, remap[labels.clamp(min=0)])
@@ -376,9 +472,10 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
                                      "losses": losses, "settings": asdict(s)})
             plot_loss(losses, os.path.join(work_dir, "loss.png"),
                       f"DSpine distillation ({len(losses)} steps)")
+        step += 1
     if bar is not None:
         bar.close()
-    stats = {"steps": s.steps, "resumed_at": step0, "loss_first": losses[0] if losses else None,
+    stats = {"steps": s.steps, "resumed_at": step0, "device": str(device), "loss_first": losses[0] if losses else None,
              "loss_last50": sum(losses[-50:]) / max(1, len(losses[-50:])),
              "train_seconds_this_run": time.perf_counter() - t0,
              "loss_vocab": len(vocab), "sequences": n,
@@ -386,5 +483,5 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
     if rank == 0:
         with open(os.path.join(work_dir, "losses.json"), "w") as f:
             json.dump(losses, f)
-    tensors = {k: v.detach().clone() for k, v in module.tensors().items()}
+    tensors = {k: v.detach().cpu().clone() for k, v in module.tensors().items()}
     return tensors, stats

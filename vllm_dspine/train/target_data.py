@@ -121,56 +121,171 @@ def make_llm(target_dir: str, max_model_len: int, max_num_seqs: int = 32):
 
 SELF_PROMPT_OPENERS = ("Write", "How do I", "Explain", "What is", "Can you", "Give me",
                        "Implement", "Why does", "Show me", "Create", "Describe", "Fix")
+# Where a self-written user turn ends (vLLM's `stop`; the transformers engine cuts there).
+SELF_PROMPT_STOPS = ("\n", "<|im_end|>")
 
 
-def generate_self_prompts(llm, tokenizer, num: int, seed: int, max_tokens: int = 48,
-                          topics: tuple[str, ...] = ()) -> list[str]:
-    """User turns the target writes itself: it is given only the opening of a user turn
-    (the chat template up to the user's first words) and samples at temperature 1.0.
-    With `topics`, turn i opens with "About <topic>: " before its opener word, so the
-    turns spread over the topics instead of the target's favourite few.
-    Kept: one-line results of 4..60 words that end like a request or a question."""
-    from vllm import SamplingParams
+def _self_prompt_openers(num: int, seed: int, topics: tuple[str, ...]) -> list[str]:
+    """The first words of self-written turn i (with `topics`: "About <topic>: <opener>")."""
+    if not topics:
+        return [SELF_PROMPT_OPENERS[i % len(SELF_PROMPT_OPENERS)] for i in range(num)]
+    return [f"About {topics[(i * 7 + seed) % len(topics)]}: "
+            f"{SELF_PROMPT_OPENERS[i % len(SELF_PROMPT_OPENERS)]}" for i in range(num)]
 
-    openers = SELF_PROMPT_OPENERS
-    stub = tokenizer.apply_chat_template([{"role": "user", "content": "\x00"}],
+
+def _user_turn_stub(tokenizer) -> str:
+    """The chat template up to a user's first words."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": "\x00"}],
                                          tokenize=False).split("\x00")[0]
-    if topics:
-        openers = tuple(f"About {topics[(i * 7 + seed) % len(topics)]}: "
-                        f"{SELF_PROMPT_OPENERS[i % len(SELF_PROMPT_OPENERS)]}"
-                        for i in range(num))
-    texts = [stub + openers[i % len(openers)] for i in range(num)]
-    params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=max_tokens,
-                             seed=seed * 1_000_003 + i, stop=["\n", "<|im_end|>"])
-              for i in range(num)]
-    outs = llm.generate(texts, params, use_tqdm=False)
+
+
+def _kept_self_prompts(openers: list[str], continuations: list[str]) -> list[str]:
+    """Kept: one-line results of 4..60 words that end like a request or a question."""
     prompts = []
-    for i, o in enumerate(outs):
-        text = (openers[i % len(openers)] + o.outputs[0].text).strip()
+    for opener, cont in zip(openers, continuations):
+        text = (opener + cont).strip()
         words = len(text.split())
         if 4 <= words <= 60 and text[-1:] in ".?":
             prompts.append(text)
     return prompts
 
 
+def generate_self_prompts(llm, tokenizer, num: int, seed: int, max_tokens: int = 48,
+                          topics: tuple[str, ...] = ()) -> list[str]:
+    """User turns the target writes itself: it is given only the opening of a user turn
+    (the chat template up to the user's first words) and samples at temperature 1.0,
+    top-p 0.95. With `topics`, turn i opens with "About <topic>: " before its opener
+    word, so the turns spread over the topics instead of the target's favourite few.
+    `llm`: a vLLM engine (`make_llm`) or a `TransformersEngine`."""
+    openers = _self_prompt_openers(num, seed, topics)
+    texts = [_user_turn_stub(tokenizer) + o for o in openers]
+    if isinstance(llm, TransformersEngine):
+        ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        outs = llm.generate(ids, max_tokens, [1.0] * num, seed)
+        conts = []
+        for o in outs:
+            text = tokenizer.decode(o)
+            for stop in SELF_PROMPT_STOPS:
+                text = text.split(stop)[0]
+            conts.append(text)
+        return _kept_self_prompts(openers, conts)
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=max_tokens,
+                             seed=seed * 1_000_003 + i, stop=list(SELF_PROMPT_STOPS))
+              for i in range(num)]
+    outs = llm.generate(texts, params, use_tqdm=False)
+    return _kept_self_prompts(openers, [o.outputs[0].text for o in outs])
+
+
 def generate_answers(llm, tokenizer, prompts: list[str], max_tokens: int,
                      greedy_share: float, temperature: float, seed: int
                      ) -> list[list[int]]:
     """The target's answers to chat-templated `prompts`: the first round(greedy_share * n)
-    greedy, the rest sampled at `temperature` (top-p 0.95, per-prompt seeds).
+    greedy, the rest sampled at `temperature` (top-p 0.95; vLLM: per-prompt seeds).
+    `llm`: a vLLM engine (`make_llm`) or a `TransformersEngine`.
     -> per prompt, prompt ids + answer ids (the text the drafter is trained on)."""
+    n_greedy = round(greedy_share * len(prompts))
+    temps = [0.0 if i < n_greedy else temperature for i in range(len(prompts))]
+    ids = [chat_ids(tokenizer, p) for p in prompts]
+    if isinstance(llm, TransformersEngine):
+        return [x + y for x, y in zip(ids, llm.generate(ids, max_tokens, temps, seed))]
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    n_greedy = round(greedy_share * len(prompts))
-    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens) if i < n_greedy else
-              SamplingParams(temperature=temperature, top_p=0.95, max_tokens=max_tokens,
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens) if t == 0.0 else
+              SamplingParams(temperature=t, top_p=0.95, max_tokens=max_tokens,
                              seed=seed * 1_000_003 + i)
-              for i in range(len(prompts))]
-    ids = [chat_ids(tokenizer, p) for p in prompts]
+              for i, t in enumerate(temps)]
     outs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], params,
                         use_tqdm=True)
     return [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+
+
+class TransformersEngine:
+    """The target through transformers on any torch device, batched with a KV cache: what
+    writes corpus shards where vLLM is not installed (a GPU machine with torch alone).
+
+    The same sampling as the vLLM path: greedy (argmax) or temperature then top-p 0.95
+    (no top-k), an answer ends after its first end-of-sequence token (kept, as vLLM
+    keeps it) or at `max_tokens`. Not the same random draws: one seeded generator per
+    batch instead of vLLM's per-request seeds. fp32 without TF32 (the target's numbers).
+    """
+
+    def __init__(self, target_dir: str, device: str = "cpu", batch_size: int = 256):
+        from transformers import AutoTokenizer
+
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = False
+        self.model = load_target(target_dir).to(self.device)
+        tok = AutoTokenizer.from_pretrained(target_dir)
+        eos = self.model.generation_config.eos_token_id
+        eos = eos if eos is not None else tok.eos_token_id
+        self.eos = torch.tensor(eos if isinstance(eos, list) else [eos], device=self.device)
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else int(self.eos[0])
+        self.batch_size = batch_size
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_tokens: int, temperatures: list[float],
+                 seed: int) -> list[list[int]]:
+        """New tokens after each prompt (left-padded batches of similar length)."""
+        out: list[list[int]] = [[] for _ in prompts]
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        for b, at in enumerate(range(0, len(order), self.batch_size)):
+            rows = order[at:at + self.batch_size]
+            gen = torch.Generator(self.device).manual_seed(seed * 1_000_003 + b)
+            new = self._batch([prompts[i] for i in rows], max_tokens,
+                              torch.tensor([temperatures[i] for i in rows],
+                                           device=self.device), gen)
+            for i, tokens in zip(rows, new):
+                out[i] = tokens
+        return out
+
+    def _batch(self, prompts: list[list[int]], max_tokens: int,
+               temps: torch.Tensor,  # [B]  0: greedy
+               gen: torch.Generator) -> list[list[int]]:
+        B, P = len(prompts), max(len(p) for p in prompts)
+        dev = self.device
+        ids = torch.full((B, P), self.pad, dtype=torch.long, device=dev)  # [B, P]
+        mask = torch.zeros(B, P, dtype=torch.long, device=dev)  # [B, P]
+        for r, p in enumerate(prompts):  # left padding: every last prompt token at P - 1
+            ids[r, P - len(p):] = torch.as_tensor(p, device=dev)
+            mask[r, P - len(p):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]  each prompt from position 0
+        cache = None
+        done = torch.zeros(B, dtype=torch.bool, device=dev)  # [B]
+        steps = []
+        x = ids
+        for _ in range(max_tokens):
+            o = self.model(input_ids=x, attention_mask=mask, position_ids=pos,
+                           past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache = o.past_key_values
+            nxt = self._sample(o.logits[:, -1].float(), temps, gen)  # [B]
+            nxt = torch.where(done, torch.full_like(nxt, self.pad), nxt)
+            steps.append(torch.where(done, torch.full_like(nxt, -1), nxt))
+            done |= torch.isin(nxt, self.eos)
+            if bool(done.all()):
+                break
+            x = nxt[:, None]
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=dev)], dim=1)
+            pos = pos[:, -1:] + 1
+        new = torch.stack(steps, dim=1).cpu()  # [B, n]  -1 after the end
+        return [[int(t) for t in row if t >= 0] for row in new]
+
+    @staticmethod
+    def _sample(logits: torch.Tensor,  # [B, V]
+                temps: torch.Tensor,  # [B]
+                gen: torch.Generator, top_p: float = 0.95) -> torch.Tensor:
+        greedy = logits.argmax(-1)  # [B]
+        probs = torch.softmax(logits / temps.clamp(min=1e-6)[:, None], dim=-1)
+        sp, si = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always)
+        drop = (sp.cumsum(-1) - sp) >= top_p
+        sp = sp.masked_fill(drop, 0.0)
+        pick = torch.multinomial(sp, 1, generator=gen)[:, 0]
+        sampled = si.gather(1, pick[:, None])[:, 0]
+        return torch.where(temps > 0, sampled, greedy)
 
 
 def padded_batches(seqs, batch_tokens: int):
