@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and world > 1:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-    if device.startswith("cuda"):
+    if device.startswith("cuda:"):
         torch.cuda.set_device(torch.device(device))
     if world > 1:
         import torch.distributed as dist
