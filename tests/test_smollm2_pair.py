@@ -37,7 +37,9 @@ def test_committed_drafter_is_small_bf16_with_its_record(tmp_path):
     from vllm_dspine.model.packed import PACKED, unpack_drafter
 
     size = os.path.getsize(os.path.join(COMMITTED_DRAFTER, PACKED))
-    assert size <= 32 * 2**20, f"committed drafter is {size / 2**20:.1f} MiB (> 32 MiB)"
+    # The tracked tree stays under 60 MB (a GPU machine takes at most 64 MiB with the
+    # working tree): 40 MiB of drafter leave ~18 MB for the rest (~12 MB on 2026-12-04).
+    assert size <= 40 * 2**20, f"committed drafter is {size / 2**20:.1f} MiB (> 40 MiB)"
     assert not [f for f in os.listdir(COMMITTED_DRAFTER) if f.endswith(".safetensors")]
     cfg, tensors = load_draft_checkpoint(unpack_drafter(COMMITTED_DRAFTER,
                                                         str(tmp_path / "draft")))

@@ -313,6 +313,18 @@ def test_general_command_trains_exports_and_continues(corpus_dir, pair, tmp_path
     # config lowers coarse_topk to them instead of writing a folder no loader accepts
     dcfg2, _ = load_draft_checkpoint(out2)
     assert dcfg2.coarse_topk == len(dcfg2.retrieval_vocab) < dcfg.coarse_topk
+    # an evaluation (--steps 0) trains nothing: its held-out figures replace the last
+    # stage's, with the command that measured them, and no stage is added
+    out3 = str(tmp_path / "d3")
+    assert main(common + ["--steps", "0", "--out", out3, "--init-from", out2,
+                          "--name", "eval"]) == 0
+    rec3 = json.load(open(os.path.join(out3, "training.json")))
+    assert len(rec3["stages"]) == 2 and rec3["stages"][0] == rec2["stages"][0]
+    last, before = rec3["stages"][1], rec2["stages"][1]
+    assert "--steps 0" in last["held_out_command"] and "held_out_command" not in before
+    assert {k: v for k, v in last.items() if not k.startswith("held_out")} == \
+        {k: v for k, v in before.items() if k != "held_out"}
+    assert last["held_out"].keys() == before["held_out"].keys()
 
 
 def test_general_command_continues_a_packed_drafter_in_place(corpus_dir, pair, tmp_path):

@@ -336,7 +336,16 @@ def main(argv: list[str] | None = None) -> int:
         _log(f"held out: {json.dumps(stage['held_out'])}")
     if os.path.exists(os.path.join(train_dir, "loss.png")):  # none after --steps 0
         shutil.copyfile(os.path.join(train_dir, "loss.png"), os.path.join(out, "loss.png"))
-    record = {"variant": args.variant, "stages": record_stages(record_prev) + [stage],
+    stages = record_stages(record_prev)
+    if args.steps == 0 and args.init_from and stages and "held_out" in stage:
+        # An evaluation trains nothing: its figures belong to the stage that made the
+        # drafter (a GPU stage's, say, computed later on a CPU), with the command that
+        # measured them.
+        stages[-1] = {**stages[-1], "held_out": stage["held_out"],
+                      "held_out_command": stage["command"], "held_out_date": stage["date"]}
+    else:
+        stages.append(stage)
+    record = {"variant": args.variant, "stages": stages,
               "wall_seconds_this_run": round(time.time() - t_start, 1)}
     with open(os.path.join(out, "training.json"), "w") as f:
         json.dump(record, f, indent=2)
