@@ -17,7 +17,9 @@
 # whole script may take, default 560), RESERVE (seconds kept after training for the
 # held-out figures and packing, default 90), STEPS, LR, SEQS (the training's caps),
 # DEVICE (default cuda), CORPUS (the corpus to grow, default data/corpus/smollm2),
-# PROMPTS_PER_SHARD and MAX_TOKENS (default 512 and 256: the corpus's own settings).
+# PROMPTS_PER_SHARD and MAX_TOKENS (default 512 and 256: the corpus's own settings),
+# VARIANT (full, or no-bridge: the ablation with the same recipe and data; its dflash
+# twin is written beside it, OUT/draft-dflash.tar.*).
 set -euo pipefail
 gguf=${1:?GGUF}; static=${2:?STATIC_PROMPTS}; held=${3:?HELD_OUT}; out=${4:?OUT}
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -50,9 +52,13 @@ python3 -m vllm_dspine.train --preset smollm2 --target "$work/target" \
   --corpus "$work/corpus" --work "$work" "${held_args[@]}" \
   --device "$dev" --feature-batch-tokens 32768 --loss soft --tail-weight 1 --train-rows 7 \
   --vocab-coverage 1.0 --init-norm-scale 0.3 --seqs-per-step "${SEQS:-64}" \
-  --lr "${LR:-6e-4}" --steps "${STEPS:-100000}" --time-budget "$budget" --name gpu \
+  --lr "${LR:-6e-4}" --steps "${STEPS:-100000}" --time-budget "$budget" \
+  --variant "${VARIANT:-full}" --name "gpu-${VARIANT:-full}" \
   --out "$work/draft" --out-packed "$work/packed" > "$out/train.log" 2>&1 || true
 tail -n 40 "$out/train.log" | tr '\r' '\n' | tail -n 40
 [[ -f $work/packed/drafter.packed ]] || { log "no drafter written"; exit 1; }
 (cd "$work/packed" && tar cf - .) | split -b 15M - "$out/draft.tar."
+if [[ -d $work/draft-dflash ]]; then
+  (cd "$work/draft-dflash" && tar cf - .) | split -b 15M - "$out/draft-dflash.tar."
+fi
 log "drafter packed: $(ls "$out"/draft.tar.*)"
