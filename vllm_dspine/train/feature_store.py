@@ -37,10 +37,15 @@ def _bf16_bits(x: torch.Tensor) -> np.ndarray:
     return x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
 
 
+def bf16_tensor_from_bits(bits: np.ndarray) -> torch.Tensor:
+    """uint16 bf16 bits -> bf16 tensor (a copy, not widened)."""
+    return torch.from_numpy(np.array(bits, dtype=np.uint16).view(np.int16)).view(
+        torch.bfloat16)
+
+
 def bf16_from_bits(bits: np.ndarray) -> torch.Tensor:
     """uint16 bf16 bits -> fp32 tensor (a copy)."""
-    return torch.from_numpy(np.array(bits, dtype=np.uint16).view(np.int16)).view(
-        torch.bfloat16).float()
+    return bf16_tensor_from_bits(bits).float()
 
 
 @torch.no_grad()

@@ -172,6 +172,9 @@ class DrafterParams(torch.nn.Module):
                           weights, total_weight, tail_weight)
 
 
+PROBE_WARM = 5  # --time-budget: steps left out of the timing (caches, kernels warming)
+
+
 @dataclass(frozen=True)
 class DistillSettings:
     steps: int = 2000
@@ -307,7 +310,9 @@ def _rows_bf16(x) -> torch.Tensor:
         return x.to(torch.bfloat16)
     a = np.asarray(x)
     if a.dtype == np.uint16:
-        return torch.from_numpy(np.array(a).view(np.int16)).view(torch.bfloat16)
+        from vllm_dspine.train.feature_store import bf16_tensor_from_bits
+
+        return bf16_tensor_from_bits(a)
     return torch.from_numpy(np.ascontiguousarray(a)).to(torch.bfloat16)
 
 
@@ -397,8 +402,10 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
     if os.path.exists(state_path):
         st = torch.load(state_path, weights_only=False)
         module.load_state_dict(st["module"])
-        if st["settings"].get("steps") != s.steps and s.time_budget is not None:
-            s = dataclasses.replace(s, steps=st["settings"]["steps"])  # as the budget chose
+        if s.time_budget is not None:
+            # the budget chose the steps before the checkpoint (the probe precedes it):
+            # keep them, or the schedule would change mid-run
+            s = dataclasses.replace(s, steps=st["settings"]["steps"], time_budget=None)
         opt.load_state_dict(st["opt"])
         gen.set_state(st["gen"])
         step0, losses = st["step"], st["losses"]
@@ -418,8 +425,8 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
     step = step0
     while step < s.steps:
         if s.time_budget is not None and step == step0 + s.probe_steps:
-            # steps 5..probe_steps timed (the first ones warm caches and kernels)
-            per_step = (time.perf_counter() - t_probe) / max(1, s.probe_steps - 5)
+            # steps PROBE_WARM..probe_steps timed (the first ones warm caches and kernels)
+            per_step = (time.perf_counter() - t_probe) / max(1, s.probe_steps - PROBE_WARM)
             fit = step + int((s.time_budget - (time.perf_counter() - t0)) / per_step)
             s = dataclasses.replace(s, steps=max(step + 1, min(s.steps, fit)))
             if bar is not None:
@@ -427,7 +434,7 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
             if rank == 0:
                 print(f"distill: {per_step * 1e3:.0f} ms a step: {s.steps} steps fit "
                       f"{s.time_budget:.0f} s", flush=True)
-        if step == step0 + 5:
+        if step == step0 + PROBE_WARM:
             t_probe = time.perf_counter()
         seqs = torch.randperm(n, generator=gen)[:s.seqs_per_step].tolist()
         if on_device:
@@ -475,7 +482,8 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
         step += 1
     if bar is not None:
         bar.close()
-    stats = {"steps": s.steps, "resumed_at": step0, "device": str(device), "loss_first": losses[0] if losses else None,
+    stats = {"steps": s.steps, "resumed_at": step0, "device": str(device),
+             "loss_first": losses[0] if losses else None,
              "loss_last50": sum(losses[-50:]) / max(1, len(losses[-50:])),
              "train_seconds_this_run": time.perf_counter() - t0,
              "loss_vocab": len(vocab), "sequences": n,
