@@ -277,6 +277,63 @@ def test_time_budget_fixes_the_steps(inputs, tmp_path):
     assert stats["steps"] == 14 and len(_losses(tmp_path / "ample")) == 14
 
 
+def test_time_budget_resume_keeps_the_recorded_steps(inputs, tmp_path, monkeypatch, capsys):
+    """A --time-budget run resumed from a checkpoint keeps the steps the probe chose
+    before it (recorded in the checkpoint) and does not probe again, even where the
+    resumed run's steps are slower (another machine): the resumed run is the
+    uninterrupted one bit for bit. (Probing again refitted the steps mid-schedule: here
+    18 instead of 20, with another learning-rate schedule.)
+
+    A fake clock makes the probe exact: every step costs `cost[0]` seconds."""
+    cost, now = [1.0], [0.0]
+
+    def clock():
+        return now[0]
+
+    real_sample = loop.sample_batch
+
+    def timed_sample(*a, **k):  # once per step, after the probe has read the clock
+        now[0] += cost[0]
+        return real_sample(*a, **k)
+
+    monkeypatch.setattr(loop, "time", type("FakeTime", (), {"perf_counter": staticmethod(clock)}))
+    monkeypatch.setattr(loop, "sample_batch", timed_sample)
+    # Probe: steps PROBE_WARM..7 timed (1 s each), 20 s budget, 7 s spent -> 7 + 13 = 20.
+    s = DistillSettings(steps=40, seqs_per_step=2, blocks_per_seq=2, lr=1e-3, warmup=10,
+                        ckpt_every=10, seed=0, time_budget=20.0, probe_steps=7)
+    assert loop.PROBE_WARM < s.probe_steps < s.ckpt_every  # the probe precedes the checkpoint
+    full, stats_full = _run(inputs, tmp_path / "full", s)
+    assert stats_full["steps"] == 20 and len(_losses(tmp_path / "full")) == 20
+    assert capsys.readouterr().out.count("steps fit") == 1
+
+    class Interrupted(Exception):
+        pass
+
+    real_save = loop._save_state
+
+    def save_then_stop(path, state):  # a crash right after the step-10 checkpoint
+        real_save(path, state)
+        if state["step"] == 10:
+            raise Interrupted
+
+    monkeypatch.setattr(loop, "_save_state", save_then_stop)
+    with pytest.raises(Interrupted):
+        _run(inputs, tmp_path / "resumed", s)
+    monkeypatch.setattr(loop, "_save_state", real_save)
+    capsys.readouterr()
+    st = torch.load(tmp_path / "resumed" / "train_state.pt", weights_only=False)
+    assert st["step"] == 10 and st["settings"]["steps"] == 20  # the probe's choice, recorded
+
+    # Resumed at 3 s a step: a second probe would fit 10 + int((20 - 21) / 3) -> 18 steps.
+    cost[0], now[0] = 3.0, 0.0
+    resumed, stats = _run(inputs, tmp_path / "resumed", s)
+    assert "steps fit" not in capsys.readouterr().out  # no second probe
+    assert stats["resumed_at"] == 10 and stats["steps"] == 20
+    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "full")
+    for name in full:
+        assert torch.equal(resumed[name], full[name]), name
+
+
 # ---------------------------------------------------------------------- loss curve
 def _assert_png(path):
     with open(path, "rb") as f:
