@@ -13,6 +13,9 @@ the session).
 Subprocesses (`vllm serve`, the fresh-interpreter probe of vLLM, the tiny CLI, the sm_90
 compilation, bench/gpu_check.py) start with the session's first test when a test of the
 session needs them (`_background_starts`), and run beside the modules without engines.
+
+Two sessions at once (scripts/test.sh on 2+ cores): `--dspine-part engines` / `others`
+splits the tier between two pytest processes (`OTHERS_PART_ENGINE_MODULES`).
 """
 
 from __future__ import annotations
@@ -49,12 +52,43 @@ ENGINE_MODULE_ORDER = (
 )
 
 
-def pytest_collection_modifyitems(session, config, items):
-    def rank(item):
-        name = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
-        return (ENGINE_MODULE_ORDER.index(name) + 1) if name in ENGINE_MODULE_ORDER else 0
+# Two sessions at once (scripts/test.sh on a machine with 2+ cores, docs/testing.md):
+# `--dspine-part engines` runs the engine modules but these, `--dspine-part others` the
+# modules without engines and then these (an engine group of its own: SmolLM2's pair is
+# converted by and used only by them), so that the two sessions take about as long.
+OTHERS_PART_ENGINE_MODULES = ("test_smollm2_convert", "test_smollm2_pair")
 
-    items.sort(key=rank)  # stable: the order inside a module and among the others stays
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--dspine-part", choices=("engines", "others"), default=None,
+        help="only the engine modules (ENGINE_MODULE_ORDER but OTHERS_PART_ENGINE_MODULES) "
+             "or only the others; the rest deselected (tests/conftest.py). scripts/test.sh "
+             "runs both parts as two pytest sessions at once on 2+ cores")
+
+
+def _module_name(item) -> str:
+    return item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+
+
+def _rank(item) -> int:
+    name = _module_name(item)
+    return (ENGINE_MODULE_ORDER.index(name) + 1) if name in ENGINE_MODULE_ORDER else 0
+
+
+def _in_engines_part(item) -> bool:
+    return _rank(item) > 0 and _module_name(item) not in OTHERS_PART_ENGINE_MODULES
+
+
+def pytest_collection_modifyitems(session, config, items):
+    part = config.getoption("dspine_part")
+    if part:
+        keep = [item for item in items if _in_engines_part(item) == (part == "engines")]
+        if len(keep) < len(items):
+            kept = set(map(id, keep))
+            config.hook.pytest_deselected(items=[i for i in items if id(i) not in kept])
+            items[:] = keep
+    items.sort(key=_rank)  # stable: the order inside a module and among the others stays
 
 
 # ------------------------------------------------------------------------ engines
@@ -415,7 +449,10 @@ def _background_starts(request):
     - `kernel_compile_sm90`: the Triton kernels compiled for sm_90 (~17 s warm, ~40 s
       with Triton's cache cold).
 
-    On one core (`taskset -c 0`) this gains nothing and costs nothing but the order."""
+    On one core (`taskset -c 0`) this gains nothing and costs nothing but the order. With
+    two sessions at once (scripts/test.sh, `--dspine-part`) each session starts only what
+    its own tests need (`session.items` is what that option left): `vllm serve` the
+    engine session, the other four the other session."""
     needed = {name for item in request.session.items for name in item.fixturenames}
     for fixture in ("tiny_server", "_fresh_vllm_probe", "gpu_check_run", "tiny_cli_run",
                     "kernel_compile_sm90"):
