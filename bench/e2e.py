@@ -6,7 +6,8 @@ no-bridge ablation drafter), dspine-notail (DSpine drafter, argmax / per-row sam
 the continuous logits), dspine-nobridge (the no-bridge drafter with DSpine's tail),
 dspine (fixed 15-draft verification), dspine-dynamic (dynamic verification,
 docs/dynamic-verification.md), dspine-lookup (dynamic verification with the prompt lookup
-as a second source of drafts, docs/lookup.md) and its no-lookup twin dspine-nolookup. Workloads: HumanEval prompts (test data, chat template
+as a second source of drafts, docs/lookup.md), its no-lookup twin dspine-nolookup, and
+dspine-lookup-fair (the same with `dspine_verify_objective: fair`). Workloads: HumanEval prompts (test data, chat template
 applied) and a chat set (cycled when a concurrency needs more prompts than it has).
 Prefix caching is off unless `--prefix-caching`: the cycled prompts would hit the cache,
 and with a draft model vLLM drops the last matched block (128 tokens on CPU), so plain

@@ -13,7 +13,7 @@ and into where a step's time goes; bench/e2e.py is the benchmark of record.
 METHODS is one method of bench/lib/engines.py (plain, ngram, dspine, dspine-dynamic,
 dspine-skip, `dspine-fixedN`: DSpine verifying N drafts every step, ...) or several
 separated by commas. Each round runs `--concurrency`
-HumanEval prompts at a time (greedy or `--temperature` with top-p 0.95, `ignore_eos`,
+HumanEval (or `--workload chat`) prompts at a time (greedy or `--temperature` with top-p 0.95, `ignore_eos`,
 chat template applied; `--prompts` of them, a different slice each round) through
 `LLM.generate` on every engine, the order rotated round to round, after a 16-token
 warm-up request each. Prefix caching is off (a draft model loses the last cached block,
@@ -46,7 +46,7 @@ if not __package__:  # `python bench/policy_probe.py`: import `bench` from the r
 from bench.lib.engines import spec_of  # noqa: E402
 from bench.lib.pair import ensure_pair  # noqa: E402
 from bench.lib.report import REPO  # noqa: E402
-from bench.lib.workloads import humaneval_prompts  # noqa: E402
+from bench.lib.workloads import CHAT_PROMPTS, humaneval_prompts  # noqa: E402
 
 
 def print_policy(name: str, llm) -> None:
@@ -63,6 +63,14 @@ def print_policy(name: str, llm) -> None:
         cells = [f"{centres[b]:.2f}: {int(n)} / {cal.success[0, group, b] / n:.2f}"
                  for b, n in enumerate(cal.trials[0, group]) if n > 0]
         print(f"  greedy calibration, {label}:", ", ".join(cells) or "-")
+    lk = verifier.lookup_calibrator
+    for group, label in enumerate(("draft 1", "drafts 2-3", "drafts 4-7", "drafts 8-15")):
+        # Bins of the lookup's calibrator: (where the match lies, match length).
+        cells = [f"{('prompt', 'answer')[b // 5]}/{b % 5 + 1}: {int(n)} / "
+                 f"{lk.success[0, group, b] / n:.2f}"
+                 for b, n in enumerate(lk.trials[0, group]) if n > 0]
+        if cells:
+            print(f"  lookup greedy calibration, {label}:", ", ".join(cells))
 
 
 def main() -> None:
@@ -76,6 +84,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--workload", choices=("humaneval", "chat"), default="humaneval",
+                    help="HumanEval prompts or bench/lib/workloads.py's chat prompts")
     ap.add_argument("--verify-cost", default=None,
                     help="a dspine_verify_cost JSON for the DSpine methods (a cost model "
                     "that never pays gives the steps without drafts)")
@@ -106,7 +116,8 @@ def main() -> None:
                             max_num_seqs=conc, seed=0, gpu_memory_utilization=0.1,
                             enable_prefix_caching=False)
     tok = engines[names[0]].get_tokenizer()
-    texts = humaneval_prompts(str(pair / "cache"))
+    texts = (humaneval_prompts(str(pair / "cache")) if args.workload == "humaneval"
+             else list(CHAT_PROMPTS))
     ids = [tok(tok.apply_chat_template([{"role": "user", "content": t}],
                                        add_generation_prompt=True, tokenize=False),
                add_special_tokens=False)["input_ids"] for t in texts]

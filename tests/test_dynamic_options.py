@@ -58,6 +58,15 @@ def test_lookup_is_accepted_with_its_lengths(pair):
     assert o["dspine_verify"] == "dynamic"
 
 
+def test_verify_objective_is_accepted(pair):
+    """`dspine_verify_objective` (docs/dynamic-verification.md, "Objective"): kept in
+    the drafter's options for the proposer; absent by default (throughput)."""
+    _, config = _build(pair, {"dspine_verify_objective": "fair", "dspine_lookup": True})
+    assert _options(config)["dspine_verify_objective"] == "fair"
+    _, config = _build(pair)
+    assert "dspine_verify_objective" not in _options(config)
+
+
 def test_batch_size_schedule_is_accepted(pair):
     """vLLM's `num_speculative_tokens_per_batch_size` is supported: the block is still
     drafted whole, verification takes the schedule's count (tests/test_dynamic_engine.py
@@ -88,6 +97,11 @@ def test_batch_size_schedule_is_accepted(pair):
                  id="lookup-min-zero"),
     pytest.param({"dspine_lookup_min": 5, "dspine_lookup_max": 3},
                  r"dspine_lookup_min'\] = 5 is above", id="lookup-min-above-max"),
+    pytest.param({"dspine_verify_objective": "latency"},
+                 r"dspine_verify_objective'\] = 'latency' is not one of", id="objective-unknown"),
+    pytest.param({"dspine_verify_objective": "fair", "dspine_verify": "fixed"},
+                 r"dspine_verify_objective'\] = 'fair' needs dspine_verify 'dynamic'",
+                 id="objective-with-fixed"),
     pytest.param({"dspine_lookup": True, "dspine_verify": "fixed"},
                  r"dspine_lookup'\] = true needs dspine_verify 'dynamic'",
                  id="lookup-with-fixed"),

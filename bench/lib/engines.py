@@ -31,7 +31,8 @@ def spec_of(method: str, pair: str) -> dict | None:
     draft-no-bridge*/ as `python -m vllm_dspine.pairs` writes them); None for plain
     decoding. Methods: plain, ngram, dflash, dspine (fixed 15-draft verification),
     dspine-dynamic, dspine-lookup (dynamic with the prompt lookup, docs/lookup.md) and
-    its no-lookup twin dspine-nolookup, dspine-skip, dspine-notail, dspine-nobridge, and dspine-fixedN
+    its no-lookup twin dspine-nolookup, dspine-lookup-fair (dspine-lookup with
+    `dspine_verify_objective: fair`, docs/dynamic-verification.md), dspine-skip, dspine-notail, dspine-nobridge, and dspine-fixedN
     (DSpine verifying N drafts every step)."""
     draft = os.path.join(pair, "draft")
     if method in ("dflash", "dspine-nobridge") and not os.path.isdir(
@@ -64,6 +65,12 @@ def spec_of(method: str, pair: str) -> dict | None:
         return {"method": "dspine", "model": draft, "num_speculative_tokens": K,
                 "dspine_verify": "dynamic", "dspine_lookup": True,
                 "dspine_lookup_min": 2, "dspine_lookup_max": 4}
+    if method == "dspine-lookup-fair":
+        # dspine-lookup with greedy lengths chosen by the requests' log-rates.
+        return {"method": "dspine", "model": draft, "num_speculative_tokens": K,
+                "dspine_verify": "dynamic", "dspine_lookup": True,
+                "dspine_lookup_min": 2, "dspine_lookup_max": 4,
+                "dspine_verify_objective": "fair"}
     if method == "dspine-nolookup":
         # Its no-lookup twin: the same keys, the lookup off (dspine-dynamic's settings).
         return {"method": "dspine", "model": draft, "num_speculative_tokens": K,

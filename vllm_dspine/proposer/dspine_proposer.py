@@ -119,7 +119,8 @@ class DSpineProposer(DFlashProposer):
             cost = self.options.get("dspine_verify_cost")
             self._verifier = DynamicVerifier(
                 K, InjectedStepCost.from_option(cost) if cost else None,
-                max_batch_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
+                max_batch_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+                objective=self.options.get("dspine_verify_objective", "throughput"))
         # Prompt lookup as a second source of drafts (docs/lookup.md): with the
         # dynamic policy only, which chooses between it and the drafter.
         self._lookup: PromptLookup | None = None

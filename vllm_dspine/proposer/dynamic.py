@@ -173,6 +173,17 @@ def _best_prefix(gains: np.ndarray, tokens0: float, n0: int, step_seconds,
     return m, float(rate[m])
 
 
+def _best_prefix_fair(values: np.ndarray, n0: int, step_seconds, overhead_s: float,
+                      max_extra: int, num_live: int) -> int:
+    """argmax over m of (sum of the m largest values) - num_live x log(T(n0 + m) +
+    overhead_s); values (each draft's gain in log tokens of its request) sorted
+    descending. Ties go to the smaller m."""
+    M = max(0, min(len(values), max_extra))
+    cum = np.concatenate([[0.0], np.cumsum(values[:M])])
+    times = step_seconds(n0 + np.arange(M + 1)) + overhead_s
+    return int(np.argmax(cum - num_live * np.log(np.maximum(times, 1e-12))))
+
+
 def choose_lengths(
     G: np.ndarray,  # [R, K] cumulative acceptance, non-increasing along K
     caps: np.ndarray,  # [R] int: most drafts request i may verify (0: none)
@@ -184,6 +195,7 @@ def choose_lengths(
     max_tokens: int,  # the step's token budget
     live: np.ndarray | None = None,  # [R] bool: requests committing a token this step
     #                                  (default caps > 0; a request may be live at cap 0)
+    fair: bool = False,  # greedy lengths by the batch's log-rates (`objective` "fair")
 ) -> Choice:
     R, K = G.shape
     live = caps > 0 if live is None else live
@@ -211,8 +223,24 @@ def choose_lengths(
 
     # GREEDY: the best prefix given the others.
     greedy = live & (kinds == GREEDY)
-    rows, g = entries(greedy)
-    m, _ = _best_prefix(g, tok_s, n_s, step_seconds, draft_s, max_tokens - n_s)
+    num_live = int(live.sum())
+    if fair and num_live > 1:
+        # Each request's rate (1 + E_i) / T counted in log: a draft is worth
+        # log(1 + E_i with it) - log(1 + E_i without it), falling along the block, and
+        # the step's time costs every live request log T.
+        mask = greedy[:, None] & within
+        cum = np.cumsum(np.where(mask, G, 0.0), axis=1)  # [R, K]
+        value = np.log1p(cum) - np.log1p(np.concatenate(
+            [np.zeros((R, 1)), cum[:, :-1]], axis=1))  # [R, K]
+        rows, cols = np.nonzero(mask)
+        v = value[rows, cols]
+        order = np.lexsort((cols, -v))
+        rows = rows[order]
+        m = _best_prefix_fair(v[order], n_s, step_seconds, draft_s, max_tokens - n_s,
+                              num_live)
+    else:
+        rows, g = entries(greedy)
+        m, _ = _best_prefix(g, tok_s, n_s, step_seconds, draft_s, max_tokens - n_s)
     np.add.at(lengths, rows[:m], 1)
     # The threshold for the next step, and whether drafting pays: the joint optimum
     # over every request whose length the policy chooses. The threshold is the gain
@@ -329,8 +357,12 @@ class DynamicVerifier:
 
     def __init__(self, num_proposals: int, cost: InjectedStepCost | None = None,
                  max_batch_tokens: int = 1 << 30,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 objective: str = "throughput") -> None:
         self.K = num_proposals
+        # "throughput": greedy lengths maximise the batch's committed tokens per second;
+        # "fair": the sum of the requests' log-rates (choose_lengths' `fair`).
+        self.fair = objective == "fair"
         self.injected = cost
         self.step_cost = cost if cost is not None else MeasuredStepCost()
         self.draft_cost = EWLinear()
@@ -373,6 +405,10 @@ class DynamicVerifier:
         # verified prefixes) and as vLLM then reported, over the same verifications.
         self.expected_accepted = 0.0
         self.observed_accepted = 0
+        # The same for the lookup's drafts alone (a share of the two above).
+        self.lookup_expected_accepted = 0.0
+        self.lookup_observed_accepted = 0
+        self.lookup_verified = 0
         self.steps_context = 0
         self.steps_lookup_only = 0  # steps that verified lookup drafts without the drafter
         self.lookup_request_steps = 0  # request-steps whose drafts came from the lookup
@@ -423,6 +459,10 @@ class DynamicVerifier:
                 if expected is not None:
                     self.expected_accepted += expected
                     self.observed_accepted += accepted
+                    if source == LOOKUP:
+                        self.lookup_expected_accepted += expected
+                        self.lookup_observed_accepted += accepted
+                        self.lookup_verified += n
             self.calibrator.observe_many(seen[DRAFTER])
             self.lookup_calibrator.observe_many(seen[LOOKUP])
         self._t_begin = now
@@ -521,7 +561,7 @@ class DynamicVerifier:
                     self.max_batch_tokens, live=live).rho_draft
             choice = choose_lengths(G, caps, kinds, self.threshold,
                                     self.step_cost.step_seconds, draft_s, context_s,
-                                    self.max_batch_tokens, live=live)
+                                    self.max_batch_tokens, live=live, fair=self.fair)
             lengths = choice.lengths
             expected = np.where(np.arange(G.shape[1]) < lengths[:, None], G, 0.0).sum(1)
             self.threshold = choice.threshold
@@ -665,7 +705,8 @@ class DynamicVerifier:
             context_s = self.context_seconds(R)
             choice = choose_lengths(GL, capsL, np.where(policy, kinds, AT_CAP),
                                     self.threshold, self.step_cost.step_seconds,
-                                    context_s, context_s, self.max_batch_tokens, live=live)
+                                    context_s, context_s, self.max_batch_tokens, live=live,
+                                    fair=self.fair)
             lengths = choice.lengths
             self.threshold = choice.threshold
             expected = np.where(np.arange(GL.shape[1]) < lengths[:, None], GL, 0.0).sum(1)
@@ -729,6 +770,9 @@ class DynamicVerifier:
             "steps_context_only": self.steps_context,
             "steps_lookup_only": self.steps_lookup_only,
             "lookup_request_steps": self.lookup_request_steps,
+            "lookup_verified": self.lookup_verified,
+            "lookup_expected_accepted": round(self.lookup_expected_accepted, 1),
+            "lookup_observed_accepted": self.lookup_observed_accepted,
             "skipping": self.skip.skipping,
             "threshold": self.threshold,
             "cost": (self.step_cost.describe() if isinstance(self.step_cost,
@@ -756,4 +800,6 @@ class DynamicVerifier:
         self.steps_drafted = self.steps_context = 0
         self.steps_lookup_only = self.lookup_request_steps = 0
         self.expected_accepted, self.observed_accepted = 0.0, 0
+        self.lookup_expected_accepted, self.lookup_observed_accepted = 0.0, 0
+        self.lookup_verified = 0
         self._last_log = self.clock() if now is None else now

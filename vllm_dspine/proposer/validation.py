@@ -124,6 +124,14 @@ def check_verification_options(spec_config, cfg: DSpineConfig, options: dict) ->
             "the dynamic policy chooses per request between the lookup's drafts and the "
             "drafter's (docs/lookup.md); with 'fixed' every request verifies the "
             "drafter's block. Remove one of the two keys")
+    if "dspine_verify_objective" in options and options["dspine_verify"] != "dynamic":
+        raise ValueError(
+            f"speculative_config['dspine_verify_objective'] = "
+            f"{options['dspine_verify_objective']!r} needs dspine_verify 'dynamic': it "
+            f"says how the dynamic policy chooses each request's verified drafts "
+            f"(docs/dynamic-verification.md); with 'fixed' (given, or what a hybrid "
+            f"target without the replay commit gets) every request verifies them all. "
+            f"Remove the key")
     return options
 
 
