@@ -82,6 +82,35 @@ def test_greedy_identical_with_lookup(plain_llm, lookup_llm, profile_path):
     assert accepted > 0
 
 
+def test_greedy_identical_with_lookup_and_the_fair_objective(engines, pair, plain_llm,
+                                                             tmp_path_factory):
+    """The same 24 prompts with `dspine_verify_objective: fair` (docs/dynamic-
+    verification.md, "Objective": a batch's greedy lengths by the requests' log-rates):
+    identical to plain decoding, with both sources verified (an engine of its own, its
+    own step profile)."""
+    from vllm import SamplingParams
+
+    path = str(tmp_path_factory.mktemp("lookup_fair_profile") / "profile.json")
+    os.environ[step_profile.ENV] = path
+    try:
+        llm = engines.get(pair.target_dir, dspine_spec(
+            pair.draft_dir, dspine_verify_cost=INJECTED_COST,
+            dspine_verify_objective="fair", **LOOKUP))
+    finally:
+        os.environ.pop(step_profile.ENV, None)
+    prompts = prompts_of_lengths(24)
+    params = [SamplingParams(temperature=0.0, max_tokens=16 + (13 * i) % 49, ignore_eos=True)
+              for i in range(len(prompts))]
+    plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params)]
+    c0 = _counts(path)
+    spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    c = _delta(_counts(path), c0)
+    for i, (a, b) in enumerate(zip(plain, spec)):
+        assert list(a) == list(b), f"prompt {i} ({len(prompts[i])} tokens) differs"
+    print(f"greedy with lookup, fair objective: sources {c}")
+    assert c.get("lookup_request_steps", 0) > 0 and c.get("drafter_request_steps", 0) > 0, c
+
+
 # The prompt holds "fghijklmnop" before the planted habit's "abcdefg": after the habit's
 # "h" the lookup proposes "ijklmnop", which the target mostly continues with.
 LOOKUP_CASE = Case("lookup", temperature=0.35, prompt=tuple(b"fghijklmnopabcdefg"))
