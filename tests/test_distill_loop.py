@@ -158,25 +158,31 @@ def test_ddp_gradient_is_the_global_gradient(inputs):
 
 
 # ------------------------------------------------------------------------- resume
-def test_resume_is_bit_identical(inputs, tmp_path, monkeypatch):
-    s = DistillSettings(**{**SETTINGS.__dict__, "steps": 6, "ckpt_every": 3})
-    full, stats_full = _run(inputs, tmp_path / "full", s)
-    assert stats_full["resumed_at"] == 0
+def _run_interrupted_after(inputs, out, settings, step, monkeypatch) -> None:
+    """`_run` into `out`, crashing right after its step-`step` checkpoint is saved."""
 
     class Interrupted(Exception):
         pass
 
     real_save = loop._save_state
 
-    def save_then_stop(path, state):  # a crash right after the step-3 checkpoint
+    def save_then_stop(path, state):
         real_save(path, state)
-        if state["step"] == 3:
+        if state["step"] == step:
             raise Interrupted
 
     monkeypatch.setattr(loop, "_save_state", save_then_stop)
     with pytest.raises(Interrupted):
-        _run(inputs, tmp_path / "resumed", s)
+        _run(inputs, out, settings)
     monkeypatch.setattr(loop, "_save_state", real_save)
+
+
+def test_resume_is_bit_identical(inputs, tmp_path, monkeypatch):
+    s = DistillSettings(**{**SETTINGS.__dict__, "steps": 6, "ckpt_every": 3})
+    full, stats_full = _run(inputs, tmp_path / "full", s)
+    assert stats_full["resumed_at"] == 0
+
+    _run_interrupted_after(inputs, tmp_path / "resumed", s, 3, monkeypatch)
     assert not os.path.exists(tmp_path / "resumed" / "losses.json")
     resumed, stats = _run(inputs, tmp_path / "resumed", s)
 
@@ -306,20 +312,7 @@ def test_time_budget_resume_keeps_the_recorded_steps(inputs, tmp_path, monkeypat
     assert stats_full["steps"] == 20 and len(_losses(tmp_path / "full")) == 20
     assert capsys.readouterr().out.count("steps fit") == 1
 
-    class Interrupted(Exception):
-        pass
-
-    real_save = loop._save_state
-
-    def save_then_stop(path, state):  # a crash right after the step-10 checkpoint
-        real_save(path, state)
-        if state["step"] == 10:
-            raise Interrupted
-
-    monkeypatch.setattr(loop, "_save_state", save_then_stop)
-    with pytest.raises(Interrupted):
-        _run(inputs, tmp_path / "resumed", s)
-    monkeypatch.setattr(loop, "_save_state", real_save)
+    _run_interrupted_after(inputs, tmp_path / "resumed", s, 10, monkeypatch)
     capsys.readouterr()
     st = torch.load(tmp_path / "resumed" / "train_state.pt", weights_only=False)
     assert st["step"] == 10 and st["settings"]["steps"] == 20  # the probe's choice, recorded

@@ -41,15 +41,20 @@ def profile_path(tmp_path_factory):
     return str(tmp_path_factory.mktemp("lookup_profile") / "profile.json")
 
 
-@pytest.fixture
-def lookup_llm(engines, pair, profile_path):
-    # The engine core reads the profile path from its environment when it starts.
+def _lookup_engine(engines, pair, profile_path, **extra):
+    """The lookup engine (with `extra` speculative keys), its step profile at
+    `profile_path`: the engine core reads the path from its environment when it starts."""
     os.environ[step_profile.ENV] = profile_path
     try:
         return engines.get(pair.target_dir, dspine_spec(
-            pair.draft_dir, dspine_verify_cost=INJECTED_COST, **LOOKUP))
+            pair.draft_dir, dspine_verify_cost=INJECTED_COST, **LOOKUP, **extra))
     finally:
         os.environ.pop(step_profile.ENV, None)
+
+
+@pytest.fixture
+def lookup_llm(engines, pair, profile_path):
+    return _lookup_engine(engines, pair, profile_path)
 
 
 def _counts(path: str) -> dict:
@@ -61,20 +66,28 @@ def _delta(a: dict, b: dict) -> dict:
     return {k: a.get(k, 0) - b.get(k, 0) for k in set(a) | set(b)}
 
 
-def test_greedy_identical_with_lookup(plain_llm, lookup_llm, profile_path):
+def _greedy_sources(plain_llm, llm, profile_path) -> dict:
     """24 prompts of 3..400 tokens (repetitive text: the lookup finds continuations),
-    16..64 new tokens each: identical to plain decoding, with both sources verified."""
+    16..64 new tokens each, through plain decoding and `llm`: asserts the outputs are
+    identical and returns `llm`'s step-profile counts for them (drafts by source)."""
     from vllm import SamplingParams
 
     prompts = prompts_of_lengths(24)
     params = [SamplingParams(temperature=0.0, max_tokens=16 + (13 * i) % 49, ignore_eos=True)
               for i in range(len(prompts))]
     plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params)]
-    c0, m0 = _counts(profile_path), spec_decode_counters(lookup_llm)
-    spec = [o.outputs[0].token_ids for o in lookup_llm.generate(prompts, params)]
-    c, m1 = _delta(_counts(profile_path), c0), spec_decode_counters(lookup_llm)
+    c0 = _counts(profile_path)
+    spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     for i, (a, b) in enumerate(zip(plain, spec)):
         assert list(a) == list(b), f"prompt {i} ({len(prompts[i])} tokens) differs"
+    return _delta(_counts(profile_path), c0)
+
+
+def test_greedy_identical_with_lookup(plain_llm, lookup_llm, profile_path):
+    """Identical to plain decoding (`_greedy_sources`), with both sources verified."""
+    m0 = spec_decode_counters(lookup_llm)
+    c = _greedy_sources(plain_llm, lookup_llm, profile_path)
+    m1 = spec_decode_counters(lookup_llm)
     accepted = m1["vllm:spec_decode_num_accepted_tokens"] - m0.get(
         "vllm:spec_decode_num_accepted_tokens", 0)
     print(f"greedy with lookup: sources {c}; drafts accepted {accepted}")
@@ -84,29 +97,12 @@ def test_greedy_identical_with_lookup(plain_llm, lookup_llm, profile_path):
 
 def test_greedy_identical_with_lookup_and_the_fair_objective(engines, pair, plain_llm,
                                                              tmp_path_factory):
-    """The same 24 prompts with `dspine_verify_objective: fair` (docs/dynamic-
-    verification.md, "Objective": a batch's greedy lengths by the requests' log-rates):
-    identical to plain decoding, with both sources verified (an engine of its own, its
-    own step profile)."""
-    from vllm import SamplingParams
-
+    """The same with `dspine_verify_objective: fair` (docs/dynamic-verification.md,
+    "Objective": a batch's greedy lengths by the requests' log-rates): identical to plain
+    decoding, with both sources verified (an engine of its own, its own step profile)."""
     path = str(tmp_path_factory.mktemp("lookup_fair_profile") / "profile.json")
-    os.environ[step_profile.ENV] = path
-    try:
-        llm = engines.get(pair.target_dir, dspine_spec(
-            pair.draft_dir, dspine_verify_cost=INJECTED_COST,
-            dspine_verify_objective="fair", **LOOKUP))
-    finally:
-        os.environ.pop(step_profile.ENV, None)
-    prompts = prompts_of_lengths(24)
-    params = [SamplingParams(temperature=0.0, max_tokens=16 + (13 * i) % 49, ignore_eos=True)
-              for i in range(len(prompts))]
-    plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params)]
-    c0 = _counts(path)
-    spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    c = _delta(_counts(path), c0)
-    for i, (a, b) in enumerate(zip(plain, spec)):
-        assert list(a) == list(b), f"prompt {i} ({len(prompts[i])} tokens) differs"
+    llm = _lookup_engine(engines, pair, path, dspine_verify_objective="fair")
+    c = _greedy_sources(plain_llm, llm, path)
     print(f"greedy with lookup, fair objective: sources {c}")
     assert c.get("lookup_request_steps", 0) > 0 and c.get("drafter_request_steps", 0) > 0, c
 

@@ -215,10 +215,10 @@ def choose_lengths(
     tok_s = tokens0 + float((G * take)[sampled].sum())
     n_s = n0 + int(lengths[sampled].sum())
 
-    def entries(mask):
+    def entries(mask, values=G):
         rows, cols = np.nonzero(mask[:, None] & (np.arange(K)[None, :] < caps[:, None]))
-        g = G[rows, cols]
-        order = np.lexsort((cols, -g))  # gain descending, then position ascending
+        g = values[rows, cols]
+        order = np.lexsort((cols, -g))  # value descending, then position ascending
         return rows[order], g[order]
 
     # GREEDY: the best prefix given the others.
@@ -228,16 +228,11 @@ def choose_lengths(
         # Each request's rate (1 + E_i) / T counted in log: a draft is worth
         # log(1 + E_i with it) - log(1 + E_i without it), falling along the block, and
         # the step's time costs every live request log T.
-        mask = greedy[:, None] & within
-        cum = np.cumsum(np.where(mask, G, 0.0), axis=1)  # [R, K]
+        cum = np.cumsum(np.where(within, G, 0.0), axis=1)  # [R, K]
         value = np.log1p(cum) - np.log1p(np.concatenate(
             [np.zeros((R, 1)), cum[:, :-1]], axis=1))  # [R, K]
-        rows, cols = np.nonzero(mask)
-        v = value[rows, cols]
-        order = np.lexsort((cols, -v))
-        rows = rows[order]
-        m = _best_prefix_fair(v[order], n_s, step_seconds, draft_s, max_tokens - n_s,
-                              num_live)
+        rows, v = entries(greedy, value)
+        m = _best_prefix_fair(v, n_s, step_seconds, draft_s, max_tokens - n_s, num_live)
     else:
         rows, g = entries(greedy)
         m, _ = _best_prefix(g, tok_s, n_s, step_seconds, draft_s, max_tokens - n_s)
