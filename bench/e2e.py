@@ -4,10 +4,12 @@ concurrency for each method, side by side in one run.
 Methods: plain (no speculation), ngram (vLLM's), dflash (vLLM's own method serving the
 no-bridge ablation drafter), dspine-notail (DSpine drafter, argmax / per-row sampling of
 the continuous logits), dspine-nobridge (the no-bridge drafter with DSpine's tail),
-dspine (fixed 15-draft verification), dspine-dynamic (dynamic verification,
-docs/dynamic-verification.md), dspine-lookup (dynamic verification with the prompt lookup
+dspine (fixed 15-draft verification), dspine-default (DSpine's defaults: dynamic
+verification with the prompt lookup and the fair objective), dspine-dynamic (dynamic
+verification without them, docs/dynamic-verification.md), dspine-lookup (dynamic verification with the prompt lookup
 as a second source of drafts, docs/lookup.md), its no-lookup twin dspine-nolookup, and
-dspine-lookup-fair (the same with `dspine_verify_objective: fair`). Workloads: HumanEval prompts (test data, chat template
+dspine-lookup-fair (the same with `dspine_verify_objective: fair`), dspine-fair
+(dspine-dynamic with that objective, no lookup). Workloads: HumanEval prompts (test data, chat template
 applied) and a chat set (cycled when a concurrency needs more prompts than it has).
 Prefix caching is off unless `--prefix-caching`: the cycled prompts would hit the cache,
 and with a draft model vLLM drops the last matched block (128 tokens on CPU), so plain
@@ -37,7 +39,7 @@ requests do; the tables are the same, for the N requests.
 
     source scripts/env.sh
     python bench/e2e.py                   # the full run (~30 min on this CPU)
-    python bench/e2e.py --quick           # ~10 min: plain, ngram, dspine-dynamic; c 1, 8
+    python bench/e2e.py --quick           # ~10 min: plain, ngram, dspine-default; c 1, 8
     python bench/e2e.py --methods plain,dspine,dspine-dynamic --concurrency 1,8,32 ...
     python bench/e2e.py --interleave 3 --methods plain,ngram,dspine,dspine-dynamic
                                           # engines side by side, 3 rounds per setting
@@ -74,8 +76,8 @@ from bench.lib.report import (DOC, IMG, engine_plots, engine_tables, machine,  #
 from bench.lib.workloads import CHAT_PROMPTS, humaneval_prompts  # noqa: E402
 
 SECTION = "bench_e2e"
-ALL_METHODS = "plain,ngram,dflash,dspine-notail,dspine,dspine-dynamic"
-QUICK = dict(methods="plain,ngram,dspine-dynamic", workloads="humaneval",
+ALL_METHODS = "plain,ngram,dflash,dspine-notail,dspine,dspine-dynamic,dspine-default"
+QUICK = dict(methods="plain,ngram,dspine-default", workloads="humaneval",
              sampling="greedy,t0.7", concurrency="1,8", prompts=8, prompts_c1=2,
              max_tokens=128)
 FULL = dict(methods=ALL_METHODS, workloads="humaneval,chat", sampling="greedy,t0.7",

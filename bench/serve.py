@@ -19,9 +19,9 @@ vLLM with `--seed`.
 
     source scripts/env.sh
     python bench/serve.py --quick        # < 10 min on the 2-core CPU: plain, ngram,
-                                         # dspine-dynamic; random + humaneval; c 1, 8
-    python bench/serve.py                # meant for ~30 min (not yet timed): the same
-                                         # methods at c 1, 8, 32
+                                         # dspine-default; random + humaneval; c 1, 8
+    python bench/serve.py                # meant for ~30 min (not yet timed): those and
+                                         # dspine-dynamic at c 1, 8, 32
     python bench/serve.py --pair artifacts/smollm2 --methods plain,ngram,dspine-dynamic \
         --concurrency 1,8,32 --datasets random,humaneval
     # seconds-long check on the tiny pair (python -m vllm_dspine.pairs tiny --out DIR):
@@ -69,12 +69,12 @@ from vllm_dspine.serving.openai_server import (VllmServer, stop_process_group,  
 SECTION = "bench_serve"
 SERVED_NAME = "target"
 METHODS = ("plain", "ngram", "dflash", "dspine", "dspine-notail", "dspine-nobridge",
-           "dspine-dynamic")
+           "dspine-dynamic", "dspine-default")
 DATASETS = ("random", "humaneval")
-QUICK = dict(methods="plain,ngram,dspine-dynamic", datasets="random,humaneval",
+QUICK = dict(methods="plain,ngram,dspine-default", datasets="random,humaneval",
              concurrency="1,8", input_len=128, output_len=64, min_prompts=4,
              prompts_per_conc=2, warmups=1)
-FULL = dict(methods="plain,ngram,dspine-dynamic", datasets="random,humaneval",
+FULL = dict(methods="plain,ngram,dspine-dynamic,dspine-default", datasets="random,humaneval",
             concurrency="1,8,32", input_len=256, output_len=128, min_prompts=8,
             prompts_per_conc=3, warmups=2)
 

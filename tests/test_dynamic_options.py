@@ -60,11 +60,24 @@ def test_lookup_is_accepted_with_its_lengths(pair):
 
 def test_verify_objective_is_accepted(pair):
     """`dspine_verify_objective` (docs/dynamic-verification.md, "Objective"): kept in
-    the drafter's options for the proposer; absent by default (throughput)."""
-    _, config = _build(pair, {"dspine_verify_objective": "fair", "dspine_lookup": True})
-    assert _options(config)["dspine_verify_objective"] == "fair"
+    the drafter's options for the proposer."""
+    _, config = _build(pair, {"dspine_verify_objective": "throughput", "dspine_lookup": True})
+    assert _options(config)["dspine_verify_objective"] == "throughput"
+
+
+def test_dynamic_defaults_to_the_lookup_and_the_fair_objective(pair):
+    """Without the keys, dynamic verification (the default) takes the prompt lookup and
+    the fair objective (docs/serving.md); each can be turned off alone; with 'fixed'
+    neither is set (neither applies) and giving either is refused (below)."""
     _, config = _build(pair)
-    assert "dspine_verify_objective" not in _options(config)
+    o = _options(config)
+    assert (o["dspine_verify"], o["dspine_lookup"], o["dspine_verify_objective"]) == (
+        "dynamic", True, "fair")
+    _, config = _build(pair, {"dspine_lookup": False})
+    o = _options(config)
+    assert (o["dspine_lookup"], o["dspine_verify_objective"]) == (False, "fair")
+    _, config = _build(pair, {"dspine_verify": "fixed"})
+    assert _options(config) == {"dspine_verify": "fixed"}
 
 
 def test_batch_size_schedule_is_accepted(pair):

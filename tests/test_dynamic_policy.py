@@ -446,9 +446,11 @@ def _exact_first_two_tokens(p1, p2, q1, q2, length_of):
     return out
 
 
-def _policy_length(q1, q2, v1, v2, threshold, peek_at_draws: bool):
+def _policy_length(q1, q2, v1, v2, threshold, peek_at_draws: bool, fair_threshold=None):
     """The verified length the policy's own code gives one sampled request whose drafts
-    are (v1, v2). peek_at_draws: the rule that reads q(v_t), the negative control."""
+    are (v1, v2). peek_at_draws: the rule that reads q(v_t), the negative control.
+    fair_threshold: the `fair` objective's rule with that mu, the request beside a second
+    sampled one (the rule applies with other requests in the step)."""
     cand = torch.arange(3).repeat(1, 2, 1)
     probs = torch.tensor(np.stack([q1, q2[v1]]), dtype=torch.float32)[None]
     draft = torch.tensor([[v1, v2]])
@@ -459,8 +461,15 @@ def _policy_length(q1, q2, v1, v2, threshold, peek_at_draws: bool):
         conf = draft_confidence(S, cand, probs, draft, torch.tensor([False])).numpy()
     alpha = AcceptanceCalibrator(2).predict(conf, np.array([False]))
     G = np.cumprod(alpha, axis=1)
-    choice = choose_lengths(G, np.array([2]), np.array([SAMPLED]), threshold,
-                            InjectedStepCost(0.01, 0.001, 0.0).step_seconds, 0.0, 0.0, 1 << 20)
+    cost = InjectedStepCost(0.01, 0.001, 0.0).step_seconds
+    if fair_threshold is not None:
+        G = np.concatenate([G, [[0.5, 0.25]]])
+        choice = choose_lengths(G, np.array([2, 2]), np.array([SAMPLED, SAMPLED]), threshold,
+                                cost, 0.0, 0.0, 1 << 20, fair=True,
+                                fair_threshold=fair_threshold)
+        return int(choice.lengths[0])
+    choice = choose_lengths(G, np.array([2]), np.array([SAMPLED]), threshold, cost, 0.0, 0.0,
+                            1 << 20)
     return int(choice.lengths[0])
 
 
@@ -486,6 +495,13 @@ def test_sampled_rule_is_lossless_and_the_drawn_token_rule_is_not():
     bad = _exact_first_two_tokens(
         p1, p2, q1, q2, lambda a, b: _policy_length(q1, q2, a, b, threshold, True))
     assert 0.5 * np.abs(bad - target).sum() > 0.02
+    # The `fair` objective's rule (value[t] = log(1 + G[t] / (1 + G[<t] summed)) >= the
+    # last step's mu): its value reads G up to t, so it is as lossless.
+    mu = 0.2
+    fair_len = lambda a, b: _policy_length(q1, q2, a, b, threshold, False, fair_threshold=mu)
+    assert len({fair_len(a, b) for a, b in itertools.product(range(3), range(3))}) > 1
+    np.testing.assert_allclose(_exact_first_two_tokens(p1, p2, q1, q2, fair_len), target,
+                               atol=1e-12)
 
 
 # ------------------------------------------------ context K/V writes of skipped steps

@@ -3,10 +3,11 @@ vLLM on the distilled tiny pair: greedy output identical to plain decoding, and 
 output with the target's exact law, while some requests verify the lookup's drafts
 (q = 1 at the drafted token) and others the drafter's, in the same steps.
 
-One engine (dynamic policy, the injected cost model of tests/test_dynamic_engine.py,
-lookup on with 1-token matches so that nearly every step has a lookup continuation),
-shared by the tests through the session registry; every test here is in the `full`
-tier; its step profile
+One engine (dynamic policy with its defaults, the `fair` objective included; the injected
+cost model of tests/test_dynamic_engine.py; lookup on with 1-token matches so that nearly
+every step has a lookup continuation), shared by the tests through the session registry;
+the default tier runs its greedy identity and the 3,000-sample law, the `full` tier the
+72,000-sample law and the throughput objective's engine; its step profile
 (vllm_dspine/step_profile.py) counts the request-steps whose drafts came from each
 source, so the tests see that the lookup was used."""
 
@@ -22,9 +23,9 @@ from exact_law import Case, check_follows, exact_marginals, load_float64_target
 from vllm_dspine import step_profile
 from vllm_dspine.serving.metrics import spec_decode_counters
 
-# `full` tier (docs/testing.md): the lookup is off by default and its engine is its own
-# (~42 s to start on a slow core); changes under vllm_dspine/proposer/ run the full tier.
-pytestmark = [pytest.mark.engine, pytest.mark.full]
+# The lookup is on by default (docs/lookup.md, "Default"), so its engine is in the default
+# tier (~42 s to start on a slow core).
+pytestmark = [pytest.mark.engine]
 
 # tests/test_dynamic_engine.py's: the policy verifies some drafts of some requests.
 INJECTED_COST = {"step_s": 0.02, "token_s": 0.00002, "draft_s": 0.005}
@@ -95,15 +96,17 @@ def test_greedy_identical_with_lookup(plain_llm, lookup_llm, profile_path):
     assert accepted > 0
 
 
-def test_greedy_identical_with_lookup_and_the_fair_objective(engines, pair, plain_llm,
-                                                             tmp_path_factory):
-    """The same with `dspine_verify_objective: fair` (docs/dynamic-verification.md,
-    "Objective": a batch's greedy lengths by the requests' log-rates): identical to plain
-    decoding, with both sources verified (an engine of its own, its own step profile)."""
-    path = str(tmp_path_factory.mktemp("lookup_fair_profile") / "profile.json")
-    llm = _lookup_engine(engines, pair, path, dspine_verify_objective="fair")
+@pytest.mark.full
+def test_greedy_identical_with_lookup_and_the_throughput_objective(engines, pair, plain_llm,
+                                                                   tmp_path_factory):
+    """The same with `dspine_verify_objective: throughput` (docs/dynamic-verification.md,
+    "Objective": a batch's lengths by its committed tokens per second, the default until
+    2026-12-05): identical to plain decoding, with both sources verified (an engine of its
+    own, its own step profile)."""
+    path = str(tmp_path_factory.mktemp("lookup_throughput_profile") / "profile.json")
+    llm = _lookup_engine(engines, pair, path, dspine_verify_objective="throughput")
     c = _greedy_sources(plain_llm, llm, path)
-    print(f"greedy with lookup, fair objective: sources {c}")
+    print(f"greedy with lookup, throughput objective: sources {c}")
     assert c.get("lookup_request_steps", 0) > 0 and c.get("drafter_request_steps", 0) > 0, c
 
 

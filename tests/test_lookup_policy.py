@@ -386,3 +386,30 @@ def test_fair_objective_does_not_slow_the_batch_for_one_request():
         b = choose_lengths(g, np.array([K]), np.array([GREEDY]), None, T, 0.01, 0.0, 1 << 30,
                            fair=True)
         assert (a.lengths == b.lengths).all()
+
+
+def test_fair_objective_sets_sampled_lengths_from_the_last_steps_log_rate():
+    """The same batch of 8 sampled (lengths from the previous step, history only): under
+    the throughput objective the repeating request verifies all 15 drafts at the second
+    step (lambda sits below its G), under `fair` the few the greedy choice takes (mu, the
+    log-rate a draft must add to its request, from the step before). Before any step:
+    the caps under both."""
+    R = 8
+    T = InjectedStepCost(0.107, 0.0037, 0.0).step_seconds
+    G = np.zeros((R, K))
+    G[0] = np.cumprod(np.r_[0.84, 0.79, 0.79, [0.94] * 4, [0.97] * 8])
+    caps, sampled = np.full(R, K), np.full(R, SAMPLED)
+    greedy = choose_lengths(G, caps, np.full(R, GREEDY), None, T, 0.0, 0.0, 1 << 30,
+                            fair=True).lengths
+    for fair in (False, True):
+        first = choose_lengths(G, caps, sampled, None, T, 0.0, 0.0, 1 << 30, fair=fair)
+        assert (first.lengths == K).all()
+        assert (first.fair_threshold is not None) == fair
+        second = choose_lengths(G, caps, sampled, first.threshold, T, 0.0, 0.0, 1 << 30,
+                                fair=fair, fair_threshold=first.fair_threshold)
+        assert second.lengths[1:].sum() == 0
+        if fair:
+            assert second.lengths[0] == greedy[0] and 1 <= greedy[0] <= 4
+        else:
+            assert second.lengths[0] == K
+

@@ -30,9 +30,11 @@ def spec_of(method: str, pair: str) -> dict | None:
     """vLLM's speculative config of `method` on the pair folder `pair` (target/, draft/,
     draft-no-bridge*/ as `python -m vllm_dspine.pairs` writes them); None for plain
     decoding. Methods: plain, ngram, dflash, dspine (fixed 15-draft verification),
-    dspine-dynamic, dspine-lookup (dynamic with the prompt lookup, docs/lookup.md) and
+    dspine-default (DSpine's defaults: dynamic, the lookup, `fair`), dspine-dynamic
+    (dynamic, no lookup, throughput objective), dspine-lookup (dynamic with the prompt lookup, docs/lookup.md) and
     its no-lookup twin dspine-nolookup, dspine-lookup-fair (dspine-lookup with
-    `dspine_verify_objective: fair`, docs/dynamic-verification.md), dspine-skip, dspine-notail, dspine-nobridge, and dspine-fixedN
+    `dspine_verify_objective: fair`, docs/dynamic-verification.md), dspine-fair
+    (dspine-dynamic with that objective), dspine-skip, dspine-notail, dspine-nobridge, and dspine-fixedN
     (DSpine verifying N drafts every step)."""
     draft = os.path.join(pair, "draft")
     if method in ("dflash", "dspine-nobridge") and not os.path.isdir(
@@ -54,32 +56,45 @@ def spec_of(method: str, pair: str) -> dict | None:
     # The drafter ablations verify all 15 drafts (as vLLM's dflash does), so their
     # acceptance compares the drafters alone; dspine-dynamic adds dynamic verification.
     fixed = {"dspine_verify": "fixed"}
+    # The dynamic methods name every key that changed default: their rows stay
+    # comparable across dates (the lookup and `fair` became the defaults on 2026-12-05).
+    if method == "dspine-default":
+        # DSpine as a user gets it without DSpine keys (docs/serving.md).
+        return {"method": "dspine", "model": draft, "num_speculative_tokens": K}
     if method == "dspine":
         return {"method": "dspine", "model": draft, "num_speculative_tokens": K, **fixed}
     if method == "dspine-dynamic":
         return {"method": "dspine", "model": draft, "num_speculative_tokens": K,
-                "dspine_verify": "dynamic"}
+                "dspine_verify": "dynamic", "dspine_lookup": False,
+                "dspine_verify_objective": "throughput"}
     if method == "dspine-lookup":
         # dspine-dynamic with the prompt lookup as a second source of drafts
         # (docs/lookup.md), matching 2-4 tokens as the ngram method here does.
         return {"method": "dspine", "model": draft, "num_speculative_tokens": K,
                 "dspine_verify": "dynamic", "dspine_lookup": True,
-                "dspine_lookup_min": 2, "dspine_lookup_max": 4}
+                "dspine_lookup_min": 2, "dspine_lookup_max": 4,
+                "dspine_verify_objective": "throughput"}
     if method == "dspine-lookup-fair":
         # dspine-lookup with greedy lengths chosen by the requests' log-rates.
         return {"method": "dspine", "model": draft, "num_speculative_tokens": K,
                 "dspine_verify": "dynamic", "dspine_lookup": True,
                 "dspine_lookup_min": 2, "dspine_lookup_max": 4,
                 "dspine_verify_objective": "fair"}
+    if method == "dspine-fair":
+        # dspine-dynamic with lengths chosen by the requests' log-rates, no lookup.
+        return {"method": "dspine", "model": draft, "num_speculative_tokens": K,
+                "dspine_verify": "dynamic", "dspine_verify_objective": "fair",
+                "dspine_lookup": False}
     if method == "dspine-nolookup":
         # Its no-lookup twin: the same keys, the lookup off (dspine-dynamic's settings).
         return {"method": "dspine", "model": draft, "num_speculative_tokens": K,
-                "dspine_verify": "dynamic", "dspine_lookup": False}
+                "dspine_verify": "dynamic", "dspine_lookup": False,
+                "dspine_verify_objective": "throughput"}
     if method == "dspine-skip":
         # Dynamic verification with a cost model under which drafting never pays: every
         # step context-only but the probes (the zero-draft path's own cost).
         return {"method": "dspine", "model": draft, "num_speculative_tokens": K,
-                "dspine_verify": "dynamic",
+                "dspine_verify": "dynamic", "dspine_lookup": False,
                 "dspine_verify_cost": {"step_s": 10, "token_s": 1, "draft_s": 10}}
     if method == "dspine-notail":
         return {"method": "dspine", "model": draft, "num_speculative_tokens": K,

@@ -58,6 +58,7 @@ from vllm_dspine.proposer.lookup import LookupBatch, PromptLookup, lookup_sparse
 from vllm_dspine.proposer.retrieval_head import RetrievalHead
 from vllm_dspine.proposer.sparse_q import pack_sparse_q
 from vllm_dspine.proposer.step_cost import InjectedStepCost
+from vllm_dspine.proposer.validation import DEFAULT_LOOKUP, DEFAULT_OBJECTIVE
 
 logger = init_logger("vllm.dspine.proposer")  # under "vllm": printed in engine processes
 
@@ -120,11 +121,11 @@ class DSpineProposer(DFlashProposer):
             self._verifier = DynamicVerifier(
                 K, InjectedStepCost.from_option(cost) if cost else None,
                 max_batch_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
-                objective=self.options.get("dspine_verify_objective", "throughput"))
+                objective=self.options.get("dspine_verify_objective", DEFAULT_OBJECTIVE))
         # Prompt lookup as a second source of drafts (docs/lookup.md): with the
         # dynamic policy only, which chooses between it and the drafter.
         self._lookup: PromptLookup | None = None
-        if self._verifier is not None and self.options.get("dspine_lookup", False):
+        if self._verifier is not None and self.options.get("dspine_lookup", DEFAULT_LOOKUP):
             self._lookup = PromptLookup(self.options.get("dspine_lookup_min", 2),
                                         self.options.get("dspine_lookup_max", 4), K)
         # The drafted block's confidences [num_reqs, K] (numpy) for the policy, from

@@ -26,7 +26,9 @@ verified v_t is no longer distributed as q_t). So for sampled requests:
   * the confidence of position t is max_v q_t(v | v_{t-1}) (known before v_t is drawn),
     never q_t(v_t);
   * the length is n = #{t : G[i, t] >= lambda} with lambda set by the previous step
-    (history), not by this step's drafts;
+    (history), not by this step's drafts; under the `fair` objective, with other
+    requests in the step, n = #{t : value[i, t] >= mu}, value[i, t] = log(1 + G[i, t] /
+    (1 + G[i, 1] + ... + G[i, t-1])) (G[i, <= t] only) and mu set by the previous step;
   * requests with their own seed get a length from their own history only
     (`SeededLengthRule`: what they verified and accepted last), never from timings or
     the rest of the batch, so that the seed reproduces the text (the verified length
@@ -159,6 +161,9 @@ class Choice:
     threshold: float | None  # lambda for the next step's sampled requests
     rho_draft: float  # best expected tokens/s with the drafter
     rho_plain: float  # expected tokens/s without it
+    # mu for the next step's sampled requests under the fair objective: the log-rate a
+    # draft must add to its request (None unless `fair`).
+    fair_threshold: float | None = None
 
 
 def _best_prefix(gains: np.ndarray, tokens0: float, n0: int, step_seconds,
@@ -195,22 +200,35 @@ def choose_lengths(
     max_tokens: int,  # the step's token budget
     live: np.ndarray | None = None,  # [R] bool: requests committing a token this step
     #                                  (default caps > 0; a request may be live at cap 0)
-    fair: bool = False,  # greedy lengths by the batch's log-rates (`objective` "fair")
+    fair: bool = False,  # lengths by the batch's log-rates (`objective` "fair")
+    fair_threshold: float | None = None,  # mu from the previous step (`fair` only)
 ) -> Choice:
     R, K = G.shape
     live = caps > 0 if live is None else live
     lengths = np.zeros(R, dtype=np.int64)
     tokens0 = float(live.sum())  # each request commits its bonus/correction token
     n0 = int(live.sum())
+    num_live = int(live.sum())
     within = np.arange(K)[None, :] < caps[:, None]  # [R, K]
+    # What a draft is worth to its own request under `fair`: its rate (1 + E_i) / T
+    # counted in log, so draft t adds log(1 + E_i with it) - log(1 + E_i without it),
+    # falling along the block (G falls and E_i grows); the step's time costs every live
+    # request log T. It reads G[i, <= t] only, as the threshold rule does.
+    cum = np.cumsum(np.where(within, G, 0.0), axis=1)  # [R, K]
+    value = np.log1p(cum) - np.log1p(np.concatenate(
+        [np.zeros((R, 1)), cum[:, :-1]], axis=1))  # [R, K]
     # AT_CAP: the cap.
     at_cap = live & (kinds == AT_CAP)
     lengths[at_cap] = caps[at_cap]
     tokens0 += float((G * within)[at_cap].sum())
     n0 += int(caps[at_cap].sum())
-    # SAMPLED: the previous step's threshold (a prefix: G falls along K).
+    # SAMPLED: the previous step's threshold (a prefix: G and value fall along K); under
+    # `fair` with other requests in the step, the previous step's mu on the value.
     sampled = live & (kinds == SAMPLED)
-    take = within if threshold is None else within & (G >= threshold)
+    if fair and num_live > 1 and fair_threshold is not None:
+        take = within & (value >= fair_threshold)
+    else:
+        take = within if threshold is None else within & (G >= threshold)
     lengths[sampled] = take[sampled].sum(axis=1)
     tok_s = tokens0 + float((G * take)[sampled].sum())
     n_s = n0 + int(lengths[sampled].sum())
@@ -223,14 +241,7 @@ def choose_lengths(
 
     # GREEDY: the best prefix given the others.
     greedy = live & (kinds == GREEDY)
-    num_live = int(live.sum())
     if fair and num_live > 1:
-        # Each request's rate (1 + E_i) / T counted in log: a draft is worth
-        # log(1 + E_i with it) - log(1 + E_i without it), falling along the block, and
-        # the step's time costs every live request log T.
-        cum = np.cumsum(np.where(within, G, 0.0), axis=1)  # [R, K]
-        value = np.log1p(cum) - np.log1p(np.concatenate(
-            [np.zeros((R, 1)), cum[:, :-1]], axis=1))  # [R, K]
         rows, v = entries(greedy, value)
         m = _best_prefix_fair(v, n_s, step_seconds, draft_s, max_tokens - n_s, num_live)
     else:
@@ -249,9 +260,18 @@ def choose_lengths(
         taken = float(g[m - 1]) if m > 0 else 2.0 * float(g[0]) + 1e-12
         left = float(g[m]) if m < len(g) else 0.0
         lam = 0.5 * (taken + left)
+    mu = fair_threshold
+    if fair:  # the same midpoint for mu, at the joint optimum of the log-rates
+        rows, v = entries(greedy | sampled, value)
+        if len(v):
+            m = _best_prefix_fair(v, n0, step_seconds, draft_s, max_tokens - n0,
+                                  max(num_live, 1))
+            taken = float(v[m - 1]) if m > 0 else 2.0 * float(v[0]) + 1e-12
+            left = float(v[m]) if m < len(v) else 0.0
+            mu = 0.5 * (taken + left)
     plain_s = float(step_seconds(int(live.sum()))) + context_s
     plain = float(live.sum()) / max(plain_s, 1e-12)
-    return Choice(lengths, lam, rho, plain)
+    return Choice(lengths, lam, rho, plain, mu)
 
 
 @dataclass
@@ -378,6 +398,7 @@ class DynamicVerifier:
         self.max_batch_tokens = max_batch_tokens
         self.clock = clock
         self.threshold: float | None = None
+        self.fair_threshold: float | None = None  # mu (`fair` only)
         self.steps = 0
         self.skip = DrafterSkip()
         # req id -> (confidences, greedy, accepted drafts the policy expected or None
@@ -556,10 +577,11 @@ class DynamicVerifier:
                     self.max_batch_tokens, live=live).rho_draft
             choice = choose_lengths(G, caps, kinds, self.threshold,
                                     self.step_cost.step_seconds, draft_s, context_s,
-                                    self.max_batch_tokens, live=live, fair=self.fair)
+                                    self.max_batch_tokens, live=live, fair=self.fair,
+                                    fair_threshold=self.fair_threshold)
             lengths = choice.lengths
             expected = np.where(np.arange(G.shape[1]) < lengths[:, None], G, 0.0).sum(1)
-            self.threshold = choice.threshold
+            self.threshold, self.fair_threshold = choice.threshold, choice.fair_threshold
             # Drafting pays if it beats plain decoding and, with the lookup, the step
             # the lookup alone would make without the drafter.
             rho_other = max(choice.rho_plain, rho_without or 0.0)
@@ -701,9 +723,9 @@ class DynamicVerifier:
             choice = choose_lengths(GL, capsL, np.where(policy, kinds, AT_CAP),
                                     self.threshold, self.step_cost.step_seconds,
                                     context_s, context_s, self.max_batch_tokens, live=live,
-                                    fair=self.fair)
+                                    fair=self.fair, fair_threshold=self.fair_threshold)
             lengths = choice.lengths
-            self.threshold = choice.threshold
+            self.threshold, self.fair_threshold = choice.threshold, choice.fair_threshold
             expected = np.where(np.arange(GL.shape[1]) < lengths[:, None], GL, 0.0).sum(1)
             self._remember(req_ids, lookup.conf, greedy, expected, lengths,
                            np.full(R, LOOKUP, dtype=np.int64))

@@ -14,6 +14,10 @@ from vllm_dspine.config import DSpineConfig
 from vllm_dspine.hf_config import dspine_config_of
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+# What `dspine_verify: dynamic` (the default) takes when the keys are not given
+# (docs/serving.md).
+DEFAULT_LOOKUP = True
+DEFAULT_OBJECTIVE = "fair"
 
 
 def validate_dspine_speculative_config(spec_config, options: dict) -> DSpineConfig:
@@ -132,6 +136,12 @@ def check_verification_options(spec_config, cfg: DSpineConfig, options: dict) ->
             f"(docs/dynamic-verification.md); with 'fixed' (given, or what a hybrid "
             f"target without the replay commit gets) every request verifies them all. "
             f"Remove the key")
+    if options["dspine_verify"] == "dynamic":
+        # The defaults of the dynamic policy: the prompt lookup as a second source of
+        # drafts, lengths by the requests' log-rates (docs/lookup.md, "Defaults": they
+        # paid or tied at every measured setting).
+        options.setdefault("dspine_lookup", DEFAULT_LOOKUP)
+        options.setdefault("dspine_verify_objective", DEFAULT_OBJECTIVE)
     return options
 
 
