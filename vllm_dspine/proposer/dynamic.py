@@ -189,6 +189,15 @@ def _best_prefix_fair(values: np.ndarray, n0: int, step_seconds, overhead_s: flo
     return int(np.argmax(cum - num_live * np.log(np.maximum(times, 1e-12))))
 
 
+def _midway(values: np.ndarray, m: int) -> float:
+    """The threshold an optimum that takes the first m of `values` (sorted descending,
+    non-empty) leaves for the next step: midway between the last it takes and the first
+    it leaves out (twice the first, when it takes none; 0 past the end)."""
+    taken = float(values[m - 1]) if m > 0 else 2.0 * float(values[0]) + 1e-12
+    left = float(values[m]) if m < len(values) else 0.0
+    return 0.5 * (taken + left)
+
+
 def choose_lengths(
     G: np.ndarray,  # [R, K] cumulative acceptance, non-increasing along K
     caps: np.ndarray,  # [R] int: most drafts request i may verify (0: none)
@@ -206,17 +215,19 @@ def choose_lengths(
     R, K = G.shape
     live = caps > 0 if live is None else live
     lengths = np.zeros(R, dtype=np.int64)
-    tokens0 = float(live.sum())  # each request commits its bonus/correction token
-    n0 = int(live.sum())
     num_live = int(live.sum())
+    tokens0 = float(num_live)  # each request commits its bonus/correction token
+    n0 = num_live
     within = np.arange(K)[None, :] < caps[:, None]  # [R, K]
-    # What a draft is worth to its own request under `fair`: its rate (1 + E_i) / T
-    # counted in log, so draft t adds log(1 + E_i with it) - log(1 + E_i without it),
-    # falling along the block (G falls and E_i grows); the step's time costs every live
-    # request log T. It reads G[i, <= t] only, as the threshold rule does.
-    cum = np.cumsum(np.where(within, G, 0.0), axis=1)  # [R, K]
-    value = np.log1p(cum) - np.log1p(np.concatenate(
-        [np.zeros((R, 1)), cum[:, :-1]], axis=1))  # [R, K]
+    value = None
+    if fair:
+        # What a draft is worth to its own request: its rate (1 + E_i) / T counted in
+        # log, so draft t adds log(1 + E_i with it) - log(1 + E_i without it), falling
+        # along the block (G falls and E_i grows); the step's time costs every live
+        # request log T. It reads G[i, <= t] only, as the threshold rule does.
+        cum = np.cumsum(np.where(within, G, 0.0), axis=1)  # [R, K]
+        value = np.log1p(cum) - np.log1p(np.concatenate(
+            [np.zeros((R, 1)), cum[:, :-1]], axis=1))  # [R, K]
     # AT_CAP: the cap.
     at_cap = live & (kinds == AT_CAP)
     lengths[at_cap] = caps[at_cap]
@@ -234,7 +245,7 @@ def choose_lengths(
     n_s = n0 + int(lengths[sampled].sum())
 
     def entries(mask, values=G):
-        rows, cols = np.nonzero(mask[:, None] & (np.arange(K)[None, :] < caps[:, None]))
+        rows, cols = np.nonzero(mask[:, None] & within)
         g = values[rows, cols]
         order = np.lexsort((cols, -g))  # value descending, then position ascending
         return rows[order], g[order]
@@ -255,22 +266,15 @@ def choose_lengths(
     # rate x dT/dN: the measured curve has dips, where that slope is negative.)
     rows, g = entries(greedy | sampled)
     m, rho = _best_prefix(g, tokens0, n0, step_seconds, draft_s, max_tokens - n0)
-    lam = threshold
-    if len(g):
-        taken = float(g[m - 1]) if m > 0 else 2.0 * float(g[0]) + 1e-12
-        left = float(g[m]) if m < len(g) else 0.0
-        lam = 0.5 * (taken + left)
+    lam = _midway(g, m) if len(g) else threshold
     mu = fair_threshold
     if fair:  # the same midpoint for mu, at the joint optimum of the log-rates
         rows, v = entries(greedy | sampled, value)
         if len(v):
-            m = _best_prefix_fair(v, n0, step_seconds, draft_s, max_tokens - n0,
-                                  max(num_live, 1))
-            taken = float(v[m - 1]) if m > 0 else 2.0 * float(v[0]) + 1e-12
-            left = float(v[m]) if m < len(v) else 0.0
-            mu = 0.5 * (taken + left)
-    plain_s = float(step_seconds(int(live.sum()))) + context_s
-    plain = float(live.sum()) / max(plain_s, 1e-12)
+            m = _best_prefix_fair(v, n0, step_seconds, draft_s, max_tokens - n0, num_live)
+            mu = _midway(v, m)
+    plain_s = float(step_seconds(num_live)) + context_s
+    plain = num_live / max(plain_s, 1e-12)
     return Choice(lengths, lam, rho, plain, mu)
 
 

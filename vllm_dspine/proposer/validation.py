@@ -138,7 +138,7 @@ def check_verification_options(spec_config, cfg: DSpineConfig, options: dict) ->
             f"Remove the key")
     if options["dspine_verify"] == "dynamic":
         # The defaults of the dynamic policy: the prompt lookup as a second source of
-        # drafts, lengths by the requests' log-rates (docs/lookup.md, "Defaults": they
+        # drafts, lengths by the requests' log-rates (docs/lookup.md, "Default": they
         # paid or tied at every measured setting).
         options.setdefault("dspine_lookup", DEFAULT_LOOKUP)
         options.setdefault("dspine_verify_objective", DEFAULT_OBJECTIVE)
