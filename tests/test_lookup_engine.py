@@ -1,7 +1,9 @@
 """Prompt lookup inside the DSpine proposal (`dspine_lookup`, docs/lookup.md) through
 vLLM on the distilled tiny pair: greedy output identical to plain decoding, and sampled
 output with the target's exact law, while some requests verify the lookup's drafts
-(q = 1 at the drafted token) and others the drafter's, in the same steps.
+(q = 1 at the drafted token) and others the drafter's, in the same steps; requests with
+their own seed take the lookup by their own rule, keep the exact law and reproduce their
+text whatever the batch.
 
 One engine (dynamic policy with its defaults, the `fair` objective included; the injected
 cost model of tests/test_dynamic_engine.py; lookup on with 1-token matches so that nearly
@@ -127,18 +129,24 @@ def lookup_law(pair):
     return exact_marginals(load_float64_target(pair.target_dir), LOOKUP_CASE, tokens=3)
 
 
-def _sampled_follows_the_law(llm, law, profile_path, n: int, asserted_tv: float) -> None:
+def _sampled_follows_the_law(llm, law, profile_path, n: int, asserted_tv: float,
+                             seeded: bool = False) -> None:
+    """n requests of LOOKUP_CASE (each with its own seed 0..n-1 if `seeded`): tokens 2
+    and 3 follow `law`, with the lookup's drafts verified in > n / 10 request-steps."""
     from vllm import TokensPrompt
 
     c0, m0 = _counts(profile_path), spec_decode_counters(llm)
+    params = ([LOOKUP_CASE.sampling_params(max_tokens=6, seed=i) for i in range(n)]
+              if seeded else LOOKUP_CASE.sampling_params(max_tokens=6))
     outs = llm.generate([TokensPrompt(prompt_token_ids=list(LOOKUP_CASE.prompt))] * n,
-                        LOOKUP_CASE.sampling_params(max_tokens=6), use_tqdm=False)
+                        params, use_tqdm=False)
     spec = torch.tensor([list(o.outputs[0].token_ids) for o in outs])  # [n, 6]
     c, m1 = _delta(_counts(profile_path), c0), spec_decode_counters(llm)
     drafts = m1["vllm:spec_decode_num_drafts"] - m0.get("vllm:spec_decode_num_drafts", 0)
     accepted = m1["vllm:spec_decode_num_accepted_tokens"] - m0.get(
         "vllm:spec_decode_num_accepted_tokens", 0)
-    print(f"sampled T={LOOKUP_CASE.temperature} with lookup: sources {c}; {drafts} "
+    print(f"sampled T={LOOKUP_CASE.temperature} with lookup{', seeded' if seeded else ''}: "
+          f"sources {c}; {drafts} "
           f"verifications, {accepted} drafts accepted")
     # Both sources verified, in a good number of request-steps each.
     assert c.get("lookup_request_steps", 0) > n // 10, c
@@ -154,8 +162,54 @@ def test_sampled_distribution_is_exact_with_lookup(lookup_llm, lookup_law, profi
     _sampled_follows_the_law(lookup_llm, lookup_law, profile_path, FAST_SAMPLES, 0.06)
 
 
+def test_sampled_distribution_is_exact_with_lookup_and_seeds(lookup_llm, lookup_law,
+                                                             profile_path):
+    """The same with a seed per request: seeded requests take the lookup by their own
+    rule (`SeededLengthRule` per source, dynamic.py), FAST_SAMPLES requests."""
+    _sampled_follows_the_law(lookup_llm, lookup_law, profile_path, FAST_SAMPLES, 0.06,
+                             seeded=True)
+
+
+def test_seeded_requests_with_lookup_reproduce_whatever_the_batch(lookup_llm, profile_path):
+    """Seeded sampled requests on repetitive prompts (the lookup proposes for them)
+    give the same tokens alone, again alone, and among 12 other requests (greedy,
+    unseeded sampled, other lengths): their sources and lengths read only their own
+    tokens and history. The lookup's drafts are verified for them."""
+    from vllm import SamplingParams
+
+    prompts = prompts_of_lengths(20)
+    seeded = [SamplingParams(temperature=[0.5, 1.0][i % 2], seed=70 + i, max_tokens=48,
+                             ignore_eos=True) for i in range(8)]
+    others = [SamplingParams(temperature=0.0 if i % 2 else 0.8, max_tokens=20 + 5 * i,
+                             ignore_eos=True) for i in range(12)]
+    mine = prompts[:8]
+
+    def tokens(outs):
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    c0 = _counts(profile_path)
+    alone = tokens(lookup_llm.generate(mine, seeded, use_tqdm=False))
+    c = _delta(_counts(profile_path), c0)
+    again = tokens(lookup_llm.generate(mine, seeded, use_tqdm=False))
+    mixed_prompts = [p for pair in zip(prompts[8:], mine) for p in pair] + prompts[16:]
+    mixed_params = [p for pair in zip(others, seeded) for p in pair] + others[8:]
+    mixed = tokens(lookup_llm.generate(mixed_prompts, mixed_params, use_tqdm=False))
+    print(f"seeded with lookup, alone: sources {c}")
+    assert c.get("lookup_request_steps", 0) > 0, c
+    assert again == alone
+    assert mixed[1:16:2] == alone
+
+
 @pytest.mark.full
 def test_sampled_distribution_is_exact_with_lookup_full(lookup_llm, lookup_law,
                                                         profile_path):
     """The same at FULL_SAMPLES (detects TV 0.01 at power 0.9)."""
     _sampled_follows_the_law(lookup_llm, lookup_law, profile_path, FULL_SAMPLES, 0.01)
+
+
+@pytest.mark.full
+def test_sampled_distribution_is_exact_with_lookup_and_seeds_full(lookup_llm, lookup_law,
+                                                                  profile_path):
+    """The seeded case at FULL_SAMPLES (detects TV 0.01 at power 0.9)."""
+    _sampled_follows_the_law(lookup_llm, lookup_law, profile_path, FULL_SAMPLES, 0.01,
+                             seeded=True)

@@ -13,7 +13,10 @@ from engine_utils import engine_env
 engine_env()
 
 from vllm_dspine.proposer.dynamic import (  # noqa: E402
+    AT_CAP,
+    DRAFTER,
     GREEDY,
+    LOOKUP,
     SAMPLED,
     DynamicVerifier,
     choose_lengths,
@@ -413,3 +416,59 @@ def test_fair_objective_sets_sampled_lengths_from_the_last_steps_log_rate():
         else:
             assert second.lengths[0] == K
 
+
+
+def _proposer_step(v: DynamicVerifier, ids, kinds, conf, lookup: LookupBatch,
+                   verified, rejected):
+    """One engine step as `DSpineProposer.propose` drives the policy with the lookup on
+    (the lookup before the plan) -> (lengths, source per request)."""
+    R = len(ids)
+    kinds = np.array(kinds)
+    v.begin(ids, verified, rejected, R + int(sum(verified)))
+    caps = np.full(R, K)
+    plan = v.plan(kinds, caps, lookup.lengths)
+    if not plan.draft or v.lookup_replaces_drafter(plan, kinds, lookup):
+        lengths = v.choose_lookup_only(ids, kinds, plan.caps, lookup, plan.lookup)
+        v.end(ids, drafted=False)
+        return lengths, np.full(R, LOOKUP)
+    lengths = v.choose(ids, kinds, caps, conf[:, :plan.rows], plan, lookup)
+    v.end(ids, drafted=True)
+    return lengths, v.last_source.copy()
+
+
+def _seeded_with_lookup(v: DynamicVerifier, others: int, steps: int = 40):
+    """A seeded request "s" (with greedy companions) whose context has a 6-draft lookup
+    continuation in two steps of three; every lookup draft it verifies is accepted,
+    none of the drafter's. -> [(length, source)] of "s" per step."""
+    ids = ["s"] + [f"g{i}" for i in range(others)]
+    kinds = [AT_CAP] + [GREEDY] * others
+    conf = np.full((others + 1, K), 0.5)
+    out, verified, rejected = [], [0] * (others + 1), None
+    for step in range(steps):
+        lengths = [6 if step % 3 != 2 else 0] + [3 + step % 4] * others
+        lk, src = _proposer_step(v, ids, kinds, conf, _lookup(lengths), verified, rejected)
+        n, source = int(lk[0]), int(src[0])
+        out.append((n, source if n else None))
+        verified = [int(x) for x in lk]
+        accepted = n if source == LOOKUP else 0
+        rejected = [n - accepted] + [int(x) // 2 for x in lk[1:]]
+    return out
+
+
+def test_seeded_requests_take_the_lookup_by_their_own_history():
+    """A request with its own seed takes the lookup's drafts whenever its own context has
+    a continuation, at the length of the lookup's own seeded rule (fed only by its lookup
+    steps: all accepted, it doubles up to the continuation's 6), and the drafter's drafts
+    otherwise by the drafter's rule (fed only by the drafter's steps: nothing accepted,
+    it waits). The same lengths and sources whatever the cost model and whoever else is in
+    the batch (the seed reproduces the text)."""
+    a = _seeded_with_lookup(DynamicVerifier(K, InjectedStepCost(0.0, 1.0, 0.0)), 0)
+    b = _seeded_with_lookup(DynamicVerifier(K, InjectedStepCost(0.01, 0.0001, 0.002)), 3)
+    assert a == b
+    on_lookup = [a[s] for s in range(len(a)) if s % 3 != 2]
+    on_drafter = [a[s] for s in range(len(a)) if s % 3 == 2]
+    # 4 (the rule's start), then 6: the continuation's length (the rule asks 8, then 12).
+    assert on_lookup[0] == (4, LOOKUP) and set(on_lookup[1:]) == {(6, LOOKUP)}
+    # The drafter's rule: 4, 1 (nothing accepted), then waits (0) with 1-draft probes.
+    assert on_drafter[:2] == [(4, DRAFTER), (1, DRAFTER)]
+    assert on_drafter[2] == (0, None) and all(n <= 1 for n, _ in on_drafter[2:])

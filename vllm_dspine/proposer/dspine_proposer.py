@@ -313,21 +313,27 @@ class DSpineProposer(DFlashProposer):
                     else num_rejected_tokens_gpu[:num_reqs].tolist())
         v.begin(req_ids, verified, rejected, int(target_token_ids.shape[0]))
         kinds, caps = self._kinds_and_caps(states, step_cap, verified, rejected)
-        plan = v.plan(kinds, caps)
+        # The lookup before the plan: a seeded request's source and length follow its own
+        # context and history (`DynamicVerifier.plan`), from the first step on.
         lookup = None
-        if self._lookup is not None and v.ready:
-            lookup = self._lookup_of_batch(num_reqs, kinds, plan.caps, verified, rejected,
+        if self._lookup is not None:
+            lookup = self._lookup_of_batch(num_reqs, caps, verified, rejected,
                                            next_token_ids)
+        plan = v.plan(kinds, caps, None if lookup is None else lookup.lengths)
         if not plan.draft or v.lookup_replaces_drafter(plan, kinds, lookup):
             self._store_context_only(inputs)
-            lengths = v.choose_lookup_only(req_ids, kinds, plan.caps, lookup)
+            lengths = v.choose_lookup_only(req_ids, kinds, plan.caps, lookup, plan.lookup)
             v.end(req_ids, drafted=False)
             _count_sources(lengths, np.full(num_reqs, LOOKUP))
             if not lengths.any():
                 return [[] for _ in range(num_reqs)]
             self._last_sparse_q = self._with_lookup_q(None, lookup, lengths > 0)
             return [row[:int(n)] for row, n in zip(lookup.drafts.tolist(), lengths)]
+        # A seeded request's own stream serves only the drafts it verifies: not the
+        # block's, when it takes the lookup.
         self._own_stream = plan.caps > 0
+        if plan.lookup is not None:
+            self._own_stream = self._own_stream & ~plan.lookup
         try:
             drafts, confidence = self._draft_rows(max(1, min(plan.rows, step_cap)), inputs)
         finally:
@@ -343,7 +349,7 @@ class DSpineProposer(DFlashProposer):
             else [None] * num_reqs, lengths, from_lookup)]
 
     # ---------------------------------------------------------------- lookup
-    def _lookup_of_batch(self, num_reqs: int, kinds: np.ndarray, caps: np.ndarray,
+    def _lookup_of_batch(self, num_reqs: int, caps: np.ndarray,
                          verified: list[int], rejected: list[int] | None,
                          next_token_ids: torch.Tensor) -> LookupBatch:
         """The lookup's proposal per request (docs/lookup.md) from its context after
@@ -352,14 +358,14 @@ class DSpineProposer(DFlashProposer):
         and the correction / bonus token (`next_token_ids`) extend the context. The
         drafter runs before vLLM's bookkeeping appends them, so the row is read here.
         The row's first `num_prompt_tokens` are the prompt (where a continuation is
-        copied from is one of the lookup calibrator's features). Requests with their own
-        seed and those without a cap get none."""
+        copied from is one of the lookup calibrator's features). Requests without a cap
+        get none."""
         batch = self._runner.input_batch
         tokens, committed = batch.token_ids_cpu, batch.num_tokens_no_spec
         nxt = next_token_ids[:num_reqs].cpu().numpy()
         contexts: list[np.ndarray | None] = []
         for i in range(num_reqs):
-            if caps[i] <= 0 or kinds[i] == AT_CAP:
+            if caps[i] <= 0:
                 contexts.append(None)
                 continue
             accepted = 0 if rejected is None else max(int(verified[i]) - int(rejected[i]), 0)

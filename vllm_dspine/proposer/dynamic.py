@@ -32,7 +32,11 @@ verified v_t is no longer distributed as q_t). So for sampled requests:
   * requests with their own seed get a length from their own history only
     (`SeededLengthRule`: what they verified and accepted last), never from timings or
     the rest of the batch, so that the seed reproduces the text (the verified length
-    changes how many random numbers verification draws).
+    changes how many random numbers verification draws). With the prompt lookup on,
+    such a request takes the lookup's drafts whenever its own context has a
+    continuation and the lookup's own rule (a second `SeededLengthRule`, fed only by
+    the steps that verified lookup drafts) gives a length; else the drafter's, by the
+    drafter's rule. Both read the request's own tokens and history only.
 
 Only the rows that can be verified are drafted. Attention is causal inside the block and
 the bridge passes codes from row t - 1 to row t, so the first m + 1 rows of a block are
@@ -283,7 +287,10 @@ class Plan:
     draft: bool
     probe: set = field(default_factory=set)  # batch indices probed: verified at the cap
     rows: int = 0  # drafts per request the block computes (its first rows + 1 rows)
-    caps: np.ndarray | None = None  # [R] the caps after the seeded rule
+    caps: np.ndarray | None = None  # [R] the caps after the seeded rules
+    # [R] bool: seeded requests whose drafts this step are the lookup's (at their cap);
+    # None without any.
+    lookup: np.ndarray | None = None
 
 
 class DrafterSkip:
@@ -414,6 +421,8 @@ class DynamicVerifier:
         self._t_end: float | None = None
         self._warm = 0
         self.seeded = SeededLengthRule(num_proposals)
+        # The same rule for seeded requests' lookup drafts, fed by their lookup steps only.
+        self.seeded_lookup = SeededLengthRule(num_proposals)
         self.row_budget = num_proposals  # drafts per request the next block computes
         self._rows = num_proposals  # drafts per request of this step's block
         self._req_ids: list[str] = []
@@ -487,34 +496,66 @@ class DynamicVerifier:
             self.lookup_calibrator.observe_many(seen[LOOKUP])
         self._t_begin = now
 
-    def plan(self, kinds: np.ndarray, caps: np.ndarray) -> Plan:
+    def plan(self, kinds: np.ndarray, caps: np.ndarray,
+             lookup_lengths: np.ndarray | None = None) -> Plan:
         """Whether to draft this step, how many rows, and the caps after the seeded
-        rule (requests with their own seed: `SeededLengthRule`)."""
+        rules (requests with their own seed: `SeededLengthRule`). lookup_lengths [R]:
+        the lookup's continuation length per request this step (`dspine_lookup`; None
+        without it): a seeded request with one takes the lookup by its own rule."""
         self.steps += 1
         caps = np.array(caps, dtype=np.int64)
         seeded = kinds == AT_CAP  # before this step's probes: the seeded requests
+        from_lookup = None
         if seeded.any():
-            caps = np.minimum(caps, self.seeded.lengths(self._req_ids, self._observed, seeded))
+            caps, from_lookup = self._seeded_caps(caps, seeded, lookup_lengths)
         live = caps > 0
         self.skip.new_step()
         if not live.any():
-            return Plan(False, caps=caps)
+            return Plan(False, caps=caps, lookup=from_lookup)
         if not self.ready:
-            return Plan(True, rows=self.K, caps=caps)
-        seeded_rows = int(caps[live & seeded].max()) if (live & seeded).any() else 0
+            return Plan(True, rows=self.K, caps=caps, lookup=from_lookup)
+        # Seeded requests that take the drafter need its block, at their rows.
+        block = live & seeded if from_lookup is None else live & seeded & ~from_lookup
+        seeded_rows = int(caps[block].max()) if block.any() else 0
         if seeded_rows:
-            return Plan(True, rows=max(seeded_rows, min(self.row_budget, self.K)), caps=caps)
+            return Plan(True, rows=max(seeded_rows, min(self.row_budget, self.K)), caps=caps,
+                        lookup=from_lookup)
         dynamic = np.nonzero(live & (kinds != AT_CAP))[0]
+        if not len(dynamic):  # only seeded requests on the lookup: no block
+            return Plan(False, caps=caps, lookup=from_lookup)
         draft, probe = self.skip.next_step(self._req_ids, dynamic, self._probe_gap)
         if not draft:
-            return Plan(False, caps=caps)
+            return Plan(False, caps=caps, lookup=from_lookup)
         if not probe:
-            return Plan(True, rows=min(self.row_budget, self.K), caps=caps)
+            return Plan(True, rows=min(self.row_budget, self.K), caps=caps, lookup=from_lookup)
         # A probe drafts every request's block (vLLM's DFlash layout), so its rows are
         # what it costs: while skipping, the first PROBE_ROWS drafts (do short prefixes
         # pay again?); while drafting, twice the budget (longer prefixes, step by step).
         rows = PROBE_ROWS if self.skip.skipping else min(self.K, 2 * self.row_budget)
-        return Plan(True, probe, rows=rows, caps=caps)
+        return Plan(True, probe, rows=rows, caps=caps, lookup=from_lookup)
+
+    def _seeded_caps(self, caps: np.ndarray, seeded: np.ndarray,
+                     lookup_lengths: np.ndarray | None
+                     ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The caps [R] of the seeded requests by their own rules, and [R] bool which
+        of them take the lookup this step (None without the lookup). Each rule reads
+        what the request verified and accepted last step from its own source only
+        (`_last` still holds the sources of that step), so the drafter's rule never
+        sees the lookup's acceptance nor the reverse."""
+        source = {rid: last[3] for rid, last in self._last.items()}
+        if lookup_lengths is None:
+            return np.minimum(caps, self.seeded.lengths(
+                self._req_ids, self._observed, seeded)), None
+        mine = {DRAFTER: {}, LOOKUP: {}}
+        for rid, seen in self._observed.items():
+            mine[source.get(rid, DRAFTER)][rid] = seen
+        n_drafter = self.seeded.lengths(self._req_ids, mine[DRAFTER], seeded)
+        n_lookup = self.seeded_lookup.lengths(self._req_ids, mine[LOOKUP], seeded)
+        lookup_lengths = np.asarray(lookup_lengths, dtype=np.int64)
+        from_lookup = seeded & (lookup_lengths > 0) & (n_lookup > 0) & (caps > 0)
+        caps = np.where(from_lookup, np.minimum(caps, np.minimum(n_lookup, lookup_lengths)),
+                        np.minimum(caps, n_drafter))
+        return caps, from_lookup
 
     def _probe_gap(self, num_reqs: int, probed: int) -> int:
         """Fewest steps from one probe to the next while skipping (at least PROBE_MIN):
@@ -543,12 +584,20 @@ class DynamicVerifier:
             kinds[i] = AT_CAP
             policy[i] = False
         rows = self._rows = conf.shape[1]  # drafts this block computed
-        # plan.caps: the caller's caps after the seeded rule (never above them).
+        # plan.caps: the caller's caps after the seeded rules (never above them).
         caps_all = np.asarray(caps if plan.caps is None else plan.caps)
         caps = np.minimum(caps_all, rows)
         R = len(req_ids)
         source = np.full(R, DRAFTER, dtype=np.int64)
         used_conf = conf
+        # Seeded requests on the lookup (`plan.lookup`): their cap, whatever the block's rows.
+        seeded_lookup = plan.lookup if plan.lookup is not None else np.zeros(R, dtype=bool)
+        if seeded_lookup.any():
+            width = max(rows, lookup.conf.shape[1])
+            caps = np.where(seeded_lookup, caps_all, caps)
+            source[seeded_lookup] = LOOKUP
+            used_conf = _pad(conf, width)
+            used_conf[seeded_lookup] = lookup.conf[seeded_lookup, :width]
         if not self.ready:
             cap = WARMUP_CAPS[self._warm % len(WARMUP_CAPS)]
             self._warm += 1
@@ -557,6 +606,10 @@ class DynamicVerifier:
         else:
             alpha = np.clip(self.calibrator.predict(conf, greedy), 0.0, 1.0)
             G = np.cumprod(alpha, axis=1)
+            if seeded_lookup.any():  # what the policy expects of their lookup drafts
+                G = _pad(G, used_conf.shape[1])
+                G[seeded_lookup] = self.lookup_gains(lookup, greedy, floor=False)[
+                    seeded_lookup, :G.shape[1]]
             draft_s = self.draft_seconds(R * (min(self.row_budget, self.K) + 1))
             context_s = self.context_seconds(R)
             live = caps_all > 0
@@ -566,11 +619,13 @@ class DynamicVerifier:
                 capsL = np.where(policy, np.minimum(np.minimum(caps_all, lookup.lengths),
                                                  (GL > 0).sum(1)), 0)
                 use = self._prefer_lookup(G, caps, GL, capsL, greedy, policy)
+                # The step without the drafter still verifies the seeded lookup drafts.
+                capsL = np.where(seeded_lookup, caps_all, capsL)
                 if use.any():
                     width = max(rows, GL.shape[1])
                     G = _pad(G, width)
                     G[use] = GL[use, :width]
-                    used_conf = _pad(conf, width)
+                    used_conf = _pad(used_conf, width)
                     used_conf[use] = lookup.conf[use, :width]
                     caps = caps.copy()
                     caps[use] = capsL[use]
@@ -612,14 +667,16 @@ class DynamicVerifier:
 
     # --------------------------------------------------------------- lookup
     def lookup_gains(self, lookup: LookupBatch, greedy: np.ndarray,
-                     num_live: int | None = None) -> np.ndarray:
+                     num_live: int | None = None, floor: bool = True) -> np.ndarray:
         """G of the lookup's drafts [R, K]: the lookup calibrator's acceptance of each
-        draft, cumulated; 0 past each request's lookup length and where G is below
-        `lookup_floor(num_live)` (num_live: the requests committing a token this step,
-        default R)."""
+        draft, cumulated; 0 past each request's lookup length and (`floor`) where G is
+        below `lookup_floor(num_live)` (num_live: the requests committing a token this
+        step, default R)."""
         alpha = np.clip(self.lookup_calibrator.predict(lookup.conf, greedy), 0.0, 1.0)
         within = np.arange(lookup.conf.shape[1])[None, :] < lookup.lengths[:, None]
         G = np.where(within, np.cumprod(alpha, axis=1), 0.0)
+        if not floor:
+            return G
         floor = self.lookup_floor(len(lookup.lengths) if num_live is None else num_live)
         return np.where(G >= floor, G, 0.0) if floor > 0 else G
 
@@ -678,20 +735,26 @@ class DynamicVerifier:
         verify, the step with the drafter is estimated at (R + sum max(E_L, value)) /
         (T + drafter time), without it (R + sum E_L) / (T + context-only time), T the
         verification of the lookup's drafts. Never while a request needs the block (a
-        probe, a seeded request) or before the drafter's value is known."""
+        probe, a seeded request on the drafter) or before the drafter's value is known."""
         if (lookup is None or not lookup.any or not self.ready or not plan.draft
                 or self.drafter_value is None):
             return False
         caps = plan.caps
         live = caps > 0
-        if plan.probe or (live & (kinds == AT_CAP)).any():
+        seeded = live & (kinds == AT_CAP)
+        if plan.lookup is not None:
+            seeded &= ~plan.lookup
+        if plan.probe or seeded.any():
             return False
         R = int(live.sum())
         greedy = kinds == GREEDY
         GL = self.lookup_gains(lookup, greedy, R)
         within = np.arange(GL.shape[1])[None, :] < np.minimum(caps, lookup.lengths)[:, None]
         lam = self.threshold or 0.0
-        take = within & (GL >= lam) & (GL > 0)
+        # Seeded requests on the lookup verify their cap whatever it is worth.
+        fixed = (np.zeros(len(caps), dtype=bool) if plan.lookup is None
+                 else plan.lookup)
+        take = within & (((GL >= lam) & (GL > 0)) | fixed[:, None])
         E = np.where(take, GL, 0.0).sum(1)[live]
         n_look = take[live].sum(1)
         # Where the drafter's value beats the lookup's, its drafts are verified instead:
@@ -699,7 +762,7 @@ class DynamicVerifier:
         # that is known, as many as it is expected to have accepted).
         value = self.drafter_value
         n_draft = self.drafter_drafts if self.drafter_drafts is not None else value
-        use_d = value > E
+        use_d = (value > E) & ~fixed[live]
         T_with = float(self.step_cost.step_seconds(
             R + float(np.where(use_d, n_draft, n_look).sum())))
         with_drafter = (R + np.where(use_d, value, E).sum()) / (
@@ -709,20 +772,29 @@ class DynamicVerifier:
         return bool(without >= with_drafter)
 
     def choose_lookup_only(self, req_ids: list[str], kinds: np.ndarray, caps: np.ndarray,
-                           lookup: LookupBatch | None) -> np.ndarray:
+                           lookup: LookupBatch | None,
+                           seeded: np.ndarray | None = None) -> np.ndarray:
         """A step without the drafter (skipped, or replaced by the lookup): the lookup's
         drafts where they pay, by the same rule as `choose`, the step's drafter time
-        being the context-only write. Returns the lengths [R] (all 0: a plain step)."""
+        being the context-only write; seeded [R] bool (`Plan.lookup`): seeded requests
+        on the lookup, verified at their caps. Returns the lengths [R] (all 0: a plain
+        step)."""
         caps = np.asarray(caps)
         R = len(req_ids)
         lengths = np.zeros(R, dtype=np.int64)
         live = caps > 0
         greedy = kinds == GREEDY
         policy = kinds != AT_CAP
-        if lookup is not None and lookup.any and self.ready:
+        seeded = np.zeros(R, dtype=bool) if seeded is None else seeded & live
+        if lookup is not None and seeded.any() and not self.ready:
+            lengths[seeded] = caps[seeded]
+            self._remember(req_ids, lookup.conf, greedy, None, lengths,
+                           np.full(R, LOOKUP, dtype=np.int64))
+        elif lookup is not None and lookup.any and self.ready:
             GL = self.lookup_gains(lookup, greedy, int(live.sum()))
             capsL = np.where(policy, np.minimum(np.minimum(caps, lookup.lengths),
-                                              (GL > 0).sum(1)), 0)
+                                              (GL > 0).sum(1)), np.where(seeded, caps, 0))
+            GL[seeded] = self.lookup_gains(lookup, greedy, floor=False)[seeded]
             context_s = self.context_seconds(R)
             choice = choose_lengths(GL, capsL, np.where(policy, kinds, AT_CAP),
                                     self.threshold, self.step_cost.step_seconds,
