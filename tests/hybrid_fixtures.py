@@ -1,9 +1,9 @@
 """What the hybrid-pair test modules share (tests/test_hybrid_*.py): the autouse fixture
 that keeps transformers off the model hub, the engine settings and helpers of the
 engine modules (their engines come from the session's registry, conftest.py), the greedy
-workload and its comparison with plain vLLM up to bf16 near-ties, and the two-sample
-check of the sampled tests (tests/test_hybrid_engine.py, tests/test_hybrid_sampled.py,
-tests/test_hybrid_sliding_window.py). Import the
+workload and its comparison with plain vLLM up to bf16 near-ties, the two-sample
+check of tests/test_hybrid_sampled.py and
+the own-law check (tests/test_hybrid_sliding_window.py). Import the
 fixture into a module (`from hybrid_fixtures import offline`) for it to apply there. The
 trained hybrid pair is the session fixture `hybrid_trained_pair` of conftest.py (the
 committed distilled drafter, tests/trained_drafters.py, for tests/test_hybrid_engine.py
@@ -168,3 +168,53 @@ def two_sample_detectable_tv(df: int, n: int) -> float:
 
     crit = chi2.isf(ALPHA, df)
     return float(brentq(lambda tv: ncx2.sf(crit, df, 2 * n * tv * tv) - POWER, 1e-5, 1.0))
+
+
+# The own-law check (tests/test_hybrid_sliding_window.py's sampled test): each sampled token
+# against the law the target's forward computed for it, read from vLLM's logprobs. On this
+# bf16-only target two engines' forwards differ by more than the sampler errors a test
+# should see (docs/hybrid.md, "KV cache groups": plain vLLM's decode step and DSpine's
+# verify forward are 0.024 apart in TV, identical requests get 10-11 laws per engine), so
+# exactness of the sampling is tested given the law each token was drawn from, not
+# against another engine's samples.
+#
+# Statistic. Sample i has the law p_i (its row's softmax) and the token x_i. O_v =
+# #{i: x_i = v}, E_v = sum_i p_i(v). Under H0 (x_i ~ p_i given everything before it) O - E
+# is a sum of martingale differences with covariance S = diag(E) - sum_i p_i p_i^T, so
+# X = sum_v (O_v - E_v)^2 / E_v over the bins tends to sum_k w_k chi2_1 with w_k the
+# eigenvalues of I - (1/N) sum_i a_i a_i^T, a_i = p_i / sqrt(E / N): one of them is 0
+# (eigenvector sqrt(E)), the others lie in [0, 1] (1 when all p_i are equal). X is then
+# stochastically at most chi2(bins - 1): the p-value of chi2(bins - 1) is conservative.
+# Power: samples drawn from q_i instead, whose mean law is at total variation TV from the
+# mean of the p_i on the bins: E[O - E] = N d (d the difference of the mean laws), and the
+# noncentrality N sum_v d_v^2 / pbar_v >= N (sum_v |d_v|)^2 = 4 N TV^2 (Cauchy-Schwarz):
+# twice the two-sample test's 2 n TV^2 per sample, so half the samples for the same power.
+def own_law(observed: torch.Tensor, expected: torch.Tensor,
+            min_share: float = 0.02) -> tuple[float, int]:
+    """Pearson chi-square of token counts `observed` [V] against `expected` [V] (the sum
+    over the samples of each sample's own law) over bins: tokens with `expected` >=
+    `min_share` of the samples alone, the rest pooled. Returns (p-value of chi2(bins - 1),
+    degrees of freedom)."""
+    from scipy.stats import chi2
+
+    o, e = observed.double(), expected.double()
+    n = float(o.sum())
+    assert abs(float(e.sum()) - n) < 1e-3 * n, (float(e.sum()), n)  # laws sum to 1
+    big = e >= min_share * n
+    o = torch.cat([o[big], o[~big].sum().view(1)])
+    e = torch.cat([e[big], e[~big].sum().view(1)])
+    keep = e > 0
+    assert bool((o[~keep] == 0).all()), "a token of law 0 was sampled"
+    o, e = o[keep], e[keep]
+    df = int(o.numel()) - 1
+    return float(chi2.sf(float(((o - e) ** 2 / e).sum()), df)), df
+
+
+def own_law_detectable_tv(df: int, n: int) -> float:
+    """The smallest TV the own-law check (n samples, df, threshold ALPHA) detects with
+    power POWER in the worst case (noncentrality 4 n TV^2)."""
+    from scipy.optimize import brentq
+    from scipy.stats import chi2, ncx2
+
+    crit = chi2.isf(ALPHA, df)
+    return float(brentq(lambda tv: ncx2.sf(crit, df, 4 * n * tv * tv) - POWER, 1e-5, 1.0))
