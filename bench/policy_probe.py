@@ -27,6 +27,14 @@ median step profile (ms per step), and for a dynamic DSpine method the verifier'
 policy expected, the step-cost curve) and its greedy calibration table (per position
 group: confidence bin centre: observations / accepted share). The summary counts since the
 verifier's last 30-second log line.
+
+`--steps` records every request-step of the rounds that verified drafts (source,
+drafts verified, accepted drafts the policy expected, accepted drafts vLLM reported) and
+prints per source the request-steps and accepted drafts a step, vLLM's mean acceptance
+length over them, and what that mean would be had the drafter's request-steps whose
+expected accepted drafts fall below x not been verified (x = 0.3 .. 0.9), with the
+accepted drafts that would cost (docs/lookup.md, "What is left"); `--steps-json FILE`
+writes the records.
 """
 
 from __future__ import annotations
@@ -49,10 +57,77 @@ from bench.lib.report import REPO  # noqa: E402
 from bench.lib.workloads import CHAT_PROMPTS, humaneval_prompts  # noqa: E402
 
 
-def print_policy(name: str, llm) -> None:
+def verifier_of(llm):
+    """The `DynamicVerifier` of an engine in this process (None: not dynamic DSpine)."""
     core = llm.llm_engine.engine_core.engine_core
     runner = core.model_executor.driver_worker.worker.model_runner
-    verifier = getattr(getattr(runner, "drafter", None), "_verifier", None)
+    return getattr(getattr(runner, "drafter", None), "_verifier", None)
+
+
+class StepRecorder:
+    """Every request-step a `DynamicVerifier` sends drafts to verification: its source
+    (DRAFTER / LOOKUP), drafts verified, accepted drafts the policy expected, and accepted
+    drafts vLLM reported (read at the next step's `begin`). Wraps the instance's methods."""
+
+    def __init__(self, verifier) -> None:
+        self.rows: list[dict] = []
+        self._open: dict[str, dict] = {}
+        self.on = False
+        begin, choose, lookup_only = (verifier.begin, verifier.choose,
+                                      verifier.choose_lookup_only)
+
+        def recorded_begin(req_ids, verified, rejected, num_tokens):
+            begin(req_ids, verified, rejected, num_tokens)
+            for rid, (_, accepted) in verifier._observed.items():
+                if rid in self._open:
+                    self._open[rid]["accepted"] = accepted
+            self._open = {}
+
+        def record(req_ids, lengths):
+            if self.on:
+                for i, rid in enumerate(req_ids):
+                    _, _, expected, source = verifier._last.get(rid, (None,) * 4)
+                    if lengths[i] > 0 and source is not None:
+                        row = {"source": int(source), "verified": int(lengths[i]),
+                               "expected": expected}
+                        self.rows.append(row)
+                        self._open[rid] = row
+            return lengths
+
+        verifier.begin = recorded_begin
+        verifier.choose = lambda req_ids, *a, **k: record(req_ids, choose(req_ids, *a, **k))
+        verifier.choose_lookup_only = lambda req_ids, *a, **k: record(
+            req_ids, lookup_only(req_ids, *a, **k))
+
+    def report(self, name: str) -> None:
+        from vllm_dspine.proposer.dynamic import DRAFTER, LOOKUP
+
+        rows = [r for r in self.rows if "accepted" in r]
+        if not rows:
+            return
+        accepted = sum(r["accepted"] for r in rows)
+        print(f"steps of {name}: {len(rows)} request-steps verified drafts, mean acceptance "
+              f"length {1 + accepted / len(rows):.2f} (vLLM's counter over them)")
+        for source, label in ((LOOKUP, "lookup"), (DRAFTER, "drafter")):
+            mine = [r for r in rows if r["source"] == source]
+            if mine:
+                print(f"  {label}: {len(mine)} request-steps, "
+                      f"{sum(r['accepted'] for r in mine) / len(mine):.2f} accepted and "
+                      f"{sum(r['verified'] for r in mine) / len(mine):.2f} verified a step")
+        for x in (0.3, 0.5, 0.7, 0.9):
+            drop = [r for r in rows if r["source"] == DRAFTER and r["expected"] is not None
+                    and r["expected"] < x]
+            kept = len(rows) - len(drop)
+            lost = sum(r["accepted"] for r in drop)
+            if kept:
+                print(f"  without the drafter's request-steps expected below {x}: "
+                      f"{len(drop)} fewer, mean acceptance length "
+                      f"{1 + (accepted - lost) / kept:.2f}, {lost} accepted drafts "
+                      f"({sum(r['verified'] for r in drop)} verified) not taken")
+
+
+def print_policy(name: str, llm) -> None:
+    verifier = verifier_of(llm)
     if verifier is None:
         return
     print(f"policy of {name}:", json.dumps(verifier.summary()), "row budget",
@@ -89,6 +164,9 @@ def main() -> None:
     ap.add_argument("--verify-cost", default=None,
                     help="a dspine_verify_cost JSON for the DSpine methods (a cost model "
                     "that never pays gives the steps without drafts)")
+    ap.add_argument("--steps", action="store_true",
+                    help="record the request-steps that verified drafts (module doc)")
+    ap.add_argument("--steps-json", default=None, help="write those records here")
     args = ap.parse_args()
 
     from vllm_dspine.cpu_env import set_cpu_defaults
@@ -128,6 +206,12 @@ def main() -> None:
                             top_p=0.95 if args.temperature > 0 else 1.0,
                             max_tokens=args.max_tokens, ignore_eos=True)
     prof = profile()  # the engines share this process's step profile; one runs at a time
+    recorders = {}
+    if args.steps or args.steps_json:
+        for name, llm in engines.items():
+            if verifier_of(llm) is not None:  # installed after the warm-up requests
+                recorders[name] = StepRecorder(verifier_of(llm))
+                recorders[name].on = True
     rows: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(args.rounds):
         batch = [ids[(r * per_round + j) % len(ids)] for j in range(per_round)]
@@ -154,6 +238,11 @@ def main() -> None:
               f"{ {k: v for k, v in med.items() if k != 'tok_s'} }")
     for name in names:
         print_policy(name, engines[name])
+    for name, rec in recorders.items():
+        rec.report(name)
+    if args.steps_json:
+        with open(args.steps_json, "w") as f:
+            json.dump({n: r.rows for n, r in recorders.items()}, f)
 
 
 if __name__ == "__main__":
