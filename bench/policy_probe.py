@@ -88,8 +88,8 @@ class StepRecorder:
                 for i, rid in enumerate(req_ids):
                     _, _, expected, source = verifier._last.get(rid, (None,) * 4)
                     if lengths[i] > 0 and source is not None:
-                        row = {"source": int(source), "verified": int(lengths[i]),
-                               "expected": expected}
+                        row = {"request": rid, "source": int(source),
+                               "verified": int(lengths[i]), "expected": expected}
                         self.rows.append(row)
                         self._open[rid] = row
             return lengths

@@ -472,3 +472,31 @@ def test_seeded_requests_take_the_lookup_by_their_own_history():
     # The drafter's rule: 4, 1 (nothing accepted), then waits (0) with 1-draft probes.
     assert on_drafter[:2] == [(4, DRAFTER), (1, DRAFTER)]
     assert on_drafter[2] == (0, None) and all(n <= 1 for n, _ in on_drafter[2:])
+
+
+def test_a_requests_own_lookup_record_scales_its_lookup_gains():
+    """Two greedy requests whose lookup continuations fall in the same calibrator bin:
+    one has every lookup draft accepted, the other none. The calibrator pools them;
+    each request's own record (`LOOKUP_RHO_*`, dynamic.py) scales its gains, so the one
+    whose drafts fail soon verifies (almost) none of them while the other keeps
+    verifying its continuation; in steps without lookup drafts its record fades back."""
+    v = DynamicVerifier(K, InjectedStepCost(step_s=0.02, token_s=0.002, draft_s=0.005))
+    _calibrate_lookup(v, 0.9)
+    ids, kinds = ["good", "bad"], [GREEDY, GREEDY]
+    conf = np.full((2, K), 0.05)  # the drafter's drafts are not worth verifying
+    verified, rejected, lengths = [0, 0], None, []
+    for _ in range(12):
+        lk, src = _proposer_step(v, ids, kinds, conf, _lookup([8, 8]), verified, rejected)
+        lengths.append([int(n) if s == LOOKUP else 0 for n, s in zip(lk, src)])
+        verified = [int(x) for x in lk]
+        rejected = [0 if src[0] == LOOKUP else int(lk[0]), int(lk[1])]  # bad: none accepted
+    assert lengths[0] == [8, 8]  # both start from the pooled bins
+    assert all(good == 8 for good, _ in lengths)
+    assert sum(bad for _, bad in lengths[-4:]) <= 2, lengths
+    G = v.lookup_gains(_lookup([8, 8]), np.array([True, True]), floor=False)
+    assert G[1].sum() < 0.5 * G[0].sum()
+    low = v._lookup_log_rho["bad"]
+    for _ in range(35):  # no lookup continuation for "bad": its record fades
+        lk, src = _proposer_step(v, ids, kinds, conf, _lookup([8, 0]), verified, rejected)
+        verified, rejected = [int(x) for x in lk], [0, int(lk[1])]
+    assert low < 2 * v._lookup_log_rho["bad"] < 0
