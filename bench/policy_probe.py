@@ -72,7 +72,6 @@ class StepRecorder:
     def __init__(self, verifier) -> None:
         self.rows: list[dict] = []
         self._open: dict[str, dict] = {}
-        self.on = False
         begin, choose, lookup_only = (verifier.begin, verifier.choose,
                                       verifier.choose_lookup_only)
 
@@ -84,14 +83,13 @@ class StepRecorder:
             self._open = {}
 
         def record(req_ids, lengths):
-            if self.on:
-                for i, rid in enumerate(req_ids):
-                    _, _, expected, source = verifier._last.get(rid, (None,) * 4)
-                    if lengths[i] > 0 and source is not None:
-                        row = {"request": rid, "source": int(source),
-                               "verified": int(lengths[i]), "expected": expected}
-                        self.rows.append(row)
-                        self._open[rid] = row
+            for i, rid in enumerate(req_ids):
+                _, _, expected, source = verifier._last.get(rid, (None,) * 4)
+                if lengths[i] > 0 and source is not None:
+                    row = {"request": rid, "source": int(source),
+                           "verified": int(lengths[i]), "expected": expected}
+                    self.rows.append(row)
+                    self._open[rid] = row
             return lengths
 
         verifier.begin = recorded_begin
@@ -209,9 +207,9 @@ def main() -> None:
     recorders = {}
     if args.steps or args.steps_json:
         for name, llm in engines.items():
-            if verifier_of(llm) is not None:  # installed after the warm-up requests
-                recorders[name] = StepRecorder(verifier_of(llm))
-                recorders[name].on = True
+            verifier = verifier_of(llm)
+            if verifier is not None:  # installed after the warm-up requests
+                recorders[name] = StepRecorder(verifier)
     rows: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(args.rounds):
         batch = [ids[(r * per_round + j) % len(ids)] for j in range(per_round)]

@@ -562,10 +562,10 @@ class DynamicVerifier:
         what the request verified and accepted last step from its own source only
         (`_last` still holds the sources of that step), so the drafter's rule never
         sees the lookup's acceptance nor the reverse."""
-        source = {rid: last[3] for rid, last in self._last.items()}
         if lookup_lengths is None:
             return np.minimum(caps, self.seeded.lengths(
                 self._req_ids, self._observed, seeded)), None
+        source = {rid: last[3] for rid, last in self._last.items()}
         mine = {DRAFTER: {}, LOOKUP: {}}
         for rid, seen in self._observed.items():
             mine[source.get(rid, DRAFTER)][rid] = seen
@@ -626,16 +626,17 @@ class DynamicVerifier:
         else:
             alpha = np.clip(self.calibrator.predict(conf, greedy), 0.0, 1.0)
             G = np.cumprod(alpha, axis=1)
+            GL_raw = (self.lookup_gains(lookup, greedy, floor=False)
+                      if lookup is not None and lookup.any else None)
             if seeded_lookup.any():  # what the policy expects of their lookup drafts
                 G = _pad(G, used_conf.shape[1])
-                G[seeded_lookup] = self.lookup_gains(lookup, greedy, floor=False)[
-                    seeded_lookup, :G.shape[1]]
+                G[seeded_lookup] = GL_raw[seeded_lookup, :G.shape[1]]
             draft_s = self.draft_seconds(R * (min(self.row_budget, self.K) + 1))
             context_s = self.context_seconds(R)
             live = caps_all > 0
             rho_without = None  # the best rate of this step without the drafter
-            if lookup is not None and lookup.any:
-                GL = self.lookup_gains(lookup, greedy, int(live.sum()))
+            if GL_raw is not None:
+                GL = self._floored(GL_raw, int(live.sum()))
                 capsL = np.where(policy, np.minimum(np.minimum(caps_all, lookup.lengths),
                                                  (GL > 0).sum(1)), 0)
                 use = self._prefer_lookup(G, caps, GL, capsL, greedy, policy)
@@ -701,7 +702,11 @@ class DynamicVerifier:
                             for rid in self._req_ids])[:, None]
         if not floor:
             return G
-        floor = self.lookup_floor(len(lookup.lengths) if num_live is None else num_live)
+        return self._floored(G, len(lookup.lengths) if num_live is None else num_live)
+
+    def _floored(self, G: np.ndarray, num_live: int) -> np.ndarray:
+        """G [R, K] with 0 where it is below `lookup_floor(num_live)`."""
+        floor = self.lookup_floor(num_live)
         return np.where(G >= floor, G, 0.0) if floor > 0 else G
 
     def lookup_floor(self, num_live: int) -> float:
@@ -809,16 +814,15 @@ class DynamicVerifier:
         live = caps > 0
         greedy = kinds == GREEDY
         policy = kinds != AT_CAP
+        # (Before the cost model is ready a step with live requests is always drafted,
+        # `plan`, so the seeded requests here are all past the warm-up.)
         seeded = np.zeros(R, dtype=bool) if seeded is None else seeded & live
-        if lookup is not None and seeded.any() and not self.ready:
-            lengths[seeded] = caps[seeded]
-            self._remember(req_ids, lookup.conf, greedy, None, lengths,
-                           np.full(R, LOOKUP, dtype=np.int64))
-        elif lookup is not None and lookup.any and self.ready:
-            GL = self.lookup_gains(lookup, greedy, int(live.sum()))
+        if lookup is not None and lookup.any and self.ready:
+            GL_raw = self.lookup_gains(lookup, greedy, floor=False)
+            GL = self._floored(GL_raw, int(live.sum()))
             capsL = np.where(policy, np.minimum(np.minimum(caps, lookup.lengths),
                                               (GL > 0).sum(1)), np.where(seeded, caps, 0))
-            GL[seeded] = self.lookup_gains(lookup, greedy, floor=False)[seeded]
+            GL[seeded] = GL_raw[seeded]
             context_s = self.context_seconds(R)
             choice = choose_lengths(GL, capsL, np.where(policy, kinds, AT_CAP),
                                     self.threshold, self.step_cost.step_seconds,
