@@ -52,6 +52,7 @@ DSPINE_OPTIONS = {
     "dspine_verify_cost": _verify_cost_option,
     "dspine_verify_objective": ("throughput", "fair"),
     "dspine_lookup": (True, False),
+    "dspine_lookup_candidates": (True, False),
     "dspine_lookup_min": _lookup_n_option("dspine_lookup_min"),
     "dspine_lookup_max": _lookup_n_option("dspine_lookup_max"),
 }
@@ -66,7 +67,8 @@ def split_dspine_options(spec: dict) -> tuple[dict, dict]:
             value = spec.pop(key)
             if callable(allowed):
                 value = allowed(value)
-            elif value not in allowed:
+            # By type too: 1 == True, but 1 is not a boolean setting.
+            elif not any(value == a and type(value) is type(a) for a in allowed):
                 raise ValueError(
                     f"speculative_config['{key}'] = {value!r} is not one of {allowed}")
             options[key] = value
