@@ -5,8 +5,7 @@ Methods: plain (no speculation), ngram (vLLM's), dflash (vLLM's own method servi
 no-bridge ablation drafter), dspine-notail (DSpine drafter, argmax / per-row sampling of
 the continuous logits), dspine-nobridge (the no-bridge drafter with DSpine's tail),
 dspine (fixed 15-draft verification), dspine-default (DSpine's defaults: dynamic
-verification with the prompt lookup and the fair objective), dspine-lookup-cands (the
-defaults with the lookup's continuation also among the tail's candidates), dspine-dynamic (dynamic
+verification with the prompt lookup and the fair objective), dspine-dynamic (dynamic
 verification without them, docs/dynamic-verification.md), dspine-lookup (dynamic verification with the prompt lookup
 as a second source of drafts, docs/lookup.md), its no-lookup twin dspine-nolookup, and
 dspine-lookup-fair (the same with `dspine_verify_objective: fair`), dspine-fair

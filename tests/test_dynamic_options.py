@@ -58,13 +58,6 @@ def test_lookup_is_accepted_with_its_lengths(pair):
     assert o["dspine_verify"] == "dynamic"
 
 
-def test_lookup_candidates_are_accepted(pair):
-    """`dspine_lookup_candidates` (docs/lookup.md) with the lookup on (its default)."""
-    _, config = _build(pair, {"dspine_lookup_candidates": True})
-    o = _options(config)
-    assert (o["dspine_lookup_candidates"], o["dspine_lookup"]) == (True, True)
-
-
 def test_verify_objective_is_accepted(pair):
     """`dspine_verify_objective` (docs/dynamic-verification.md, "Objective"): kept in
     the drafter's options for the proposer."""
@@ -125,14 +118,8 @@ def test_batch_size_schedule_is_accepted(pair):
     pytest.param({"dspine_lookup": True, "dspine_verify": "fixed"},
                  r"dspine_lookup'\] = true needs dspine_verify 'dynamic'",
                  id="lookup-with-fixed"),
-    pytest.param({"dspine_lookup_candidates": 1},
-                 r"dspine_lookup_candidates'\] = 1 is not one of", id="candidates-not-bool"),
-    pytest.param({"dspine_lookup_candidates": True, "dspine_lookup": False},
-                 r"dspine_lookup_candidates'\] = true needs the prompt lookup",
-                 id="candidates-without-lookup"),
-    pytest.param({"dspine_lookup_candidates": True, "dspine_verify": "fixed"},
-                 r"dspine_lookup_candidates'\] = true needs the prompt lookup",
-                 id="candidates-with-fixed"),
+    pytest.param({"dspine_lookup": 1}, r"dspine_lookup'\] = 1 is not one of",
+                 id="lookup-int-for-bool"),
 ])
 def test_bad_settings_are_refused(pair, extra, match):
     with pytest.raises(ValueError, match=match):

@@ -28,7 +28,6 @@ from vllm_dspine.proposer.lookup import (  # noqa: E402
     LookupBatch,
     LookupCalibrator,
     lookup_feature,
-    with_lookup_candidates,
 )
 from vllm_dspine.proposer.step_cost import InjectedStepCost  # noqa: E402
 
@@ -501,28 +500,3 @@ def test_a_requests_own_lookup_record_scales_its_lookup_gains():
         lk, src = _proposer_step(v, ids, kinds, conf, _lookup([8, 0]), verified, rejected)
         verified, rejected = [int(x) for x in lk], [0, int(lk[1])]
     assert low < 2 * v._lookup_log_rho["bad"] < 0
-
-
-def test_lookup_candidates_join_the_tail_where_the_retrieval_lacks_them():
-    """`with_lookup_candidates` (`dspine_lookup_candidates`): at each draft position the
-    lookup covers, its token replaces the retrieval's last (lowest-scored) candidate unless
-    the retrieval has it already (no duplicate: the tail's q over the candidates would
-    split the token's probability over two entries); past the lookup's length (-1) and
-    past the block's rows nothing changes; the input is not modified."""
-    import torch
-
-    R, Kb, k = 3, 4, 5
-    cand = torch.arange(R * Kb * k, dtype=torch.int64).view(R, Kb, k) + 1000
-    before = cand.clone()
-    drafts = torch.full((R, 6), -1, dtype=torch.int64)  # wider than the block's 4 rows
-    drafts[0, :3] = torch.tensor([7, int(cand[0, 1, 2]), 9])  # position 2: already there
-    drafts[1, :6] = torch.tensor([11, 12, 13, 14, 15, 16])  # past the block: ignored
-    out = with_lookup_candidates(cand, drafts)
-    assert torch.equal(cand, before)
-    assert out.shape == cand.shape
-    want = cand.clone()
-    want[0, 0, k - 1], want[0, 2, k - 1] = 7, 9
-    want[1, :, k - 1] = torch.tensor([11, 12, 13, 14])
-    assert torch.equal(out, want), (out, want)
-    # Each row's candidates stay distinct.
-    assert all(len(set(row.tolist())) == k for row in out.view(-1, k))

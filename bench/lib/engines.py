@@ -30,8 +30,7 @@ def spec_of(method: str, pair: str) -> dict | None:
     """vLLM's speculative config of `method` on the pair folder `pair` (target/, draft/,
     draft-no-bridge*/ as `python -m vllm_dspine.pairs` writes them); None for plain
     decoding. Methods: plain, ngram, dflash, dspine (fixed 15-draft verification),
-    dspine-default (DSpine's defaults: dynamic, the lookup, `fair`), dspine-lookup-cands
-    (the defaults with `dspine_lookup_candidates`), dspine-dynamic
+    dspine-default (DSpine's defaults: dynamic, the lookup, `fair`), dspine-dynamic
     (dynamic, no lookup, throughput objective), dspine-lookup (dynamic with the prompt lookup, docs/lookup.md) and
     its no-lookup twin dspine-nolookup, dspine-lookup-fair (dspine-lookup with
     `dspine_verify_objective: fair`, docs/dynamic-verification.md), dspine-fair
@@ -62,10 +61,6 @@ def spec_of(method: str, pair: str) -> dict | None:
     if method == "dspine-default":
         # DSpine as a user gets it without DSpine keys (docs/serving.md).
         return {"method": "dspine", "model": draft, "num_speculative_tokens": K}
-    if method == "dspine-lookup-cands":
-        # The defaults with the lookup's continuation also among the tail's candidates.
-        return {"method": "dspine", "model": draft, "num_speculative_tokens": K,
-                "dspine_lookup_candidates": True}
     if method == "dspine":
         return {"method": "dspine", "model": draft, "num_speculative_tokens": K, **fixed}
     if method == "dspine-dynamic":

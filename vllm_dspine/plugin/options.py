@@ -52,7 +52,6 @@ DSPINE_OPTIONS = {
     "dspine_verify_cost": _verify_cost_option,
     "dspine_verify_objective": ("throughput", "fair"),
     "dspine_lookup": (True, False),
-    "dspine_lookup_candidates": (True, False),
     "dspine_lookup_min": _lookup_n_option("dspine_lookup_min"),
     "dspine_lookup_max": _lookup_n_option("dspine_lookup_max"),
 }

@@ -54,8 +54,7 @@ from vllm_dspine.kernels.tail import (SAMPLING_EPS, LastWriteInputs, TailTables,
 from vllm_dspine.proposer.calibration import draft_confidence
 from vllm_dspine.proposer.context_log import ContextLog
 from vllm_dspine.proposer.dynamic import AT_CAP, GREEDY, LOOKUP, SAMPLED, DynamicVerifier
-from vllm_dspine.proposer.lookup import (LookupBatch, PromptLookup, lookup_sparse_q,
-                                         with_lookup_candidates)
+from vllm_dspine.proposer.lookup import LookupBatch, PromptLookup, lookup_sparse_q
 from vllm_dspine.proposer.retrieval_head import RetrievalHead
 from vllm_dspine.proposer.sparse_q import pack_sparse_q
 from vllm_dspine.proposer.step_cost import InjectedStepCost
@@ -129,12 +128,6 @@ class DSpineProposer(DFlashProposer):
         if self._verifier is not None and self.options.get("dspine_lookup", DEFAULT_LOOKUP):
             self._lookup = PromptLookup(self.options.get("dspine_lookup_min", 2),
                                         self.options.get("dspine_lookup_max", 4), K)
-        # The lookup's continuation also among the tail's candidates (docs/lookup.md).
-        self.lookup_candidates: bool = (self._lookup is not None and bool(
-            self.options.get("dspine_lookup_candidates", False)))
-        # [num_reqs, K] int64 lookup drafts (-1 pad) for `_retrieve_and_walk`, set by
-        # `propose` around vLLM's `propose` when `lookup_candidates`; None otherwise.
-        self._candidate_drafts: torch.Tensor | None = None
         # The drafted block's confidences [num_reqs, K] (numpy) for the policy, from
         # `_sample_draft_tokens` to `_draft_rows`, across vLLM's `propose` (which
         # returns only the drafts); `_draft_rows` takes it.
@@ -213,10 +206,6 @@ class DSpineProposer(DFlashProposer):
             inputs.pre_write_state.shape, num_reqs, K)
         cand_ids = self._retrieval.candidates(hidden_states, k, cfg.coarse_topk
                                               ).view(num_reqs, K, k)
-        copied = None  # [num_reqs, K] the lookup's tokens among the candidates (-1: none)
-        if self._candidate_drafts is not None:
-            copied = self._candidate_drafts[:num_reqs, :K].to(cand_ids.device)
-            cand_ids = with_lookup_candidates(cand_ids, copied)
         temperature, top_k, top_p, min_p, generators = self._sampling_of_batch(
             sampling_metadata, num_reqs, hidden_states.device)
 
@@ -233,12 +222,6 @@ class DSpineProposer(DFlashProposer):
         proposal = serial_tail(S, cand_ids, temperature, top_k, top_p, min_p, generators,
                                draws_per_request=cfg.num_proposals)
         self._last_sparse_q = pack_sparse_q(proposal.cand_ids, proposal.cand_probs)
-        prof = profile()
-        if copied is not None and prof is not None:
-            # Drafts the walk took from the lookup's continuation (verified or not).
-            d = proposal.draft_token_ids.view(num_reqs, -1)[:, :copied.shape[1]]
-            prof.count("lookup_candidate_drafts",
-                       int(((d == copied[:, :d.shape[1]]) & (copied >= 0)).sum()))
         if self._verifier is not None:
             self._block_confidence = draft_confidence(
                 S, proposal.cand_ids, proposal.cand_probs, proposal.draft_token_ids,
@@ -351,13 +334,10 @@ class DSpineProposer(DFlashProposer):
         self._own_stream = plan.caps > 0
         if plan.lookup is not None:
             self._own_stream = self._own_stream & ~plan.lookup
-        if self.lookup_candidates and lookup is not None and lookup.any:
-            self._candidate_drafts = torch.from_numpy(lookup.drafts)
         try:
             drafts, confidence = self._draft_rows(max(1, min(plan.rows, step_cap)), inputs)
         finally:
             self._own_stream = None
-            self._candidate_drafts = None
         lengths = v.choose(req_ids, kinds, caps, confidence, plan, lookup)
         v.end(req_ids, drafted=True)
         _count_sources(lengths, v.last_source)

@@ -176,26 +176,3 @@ def lookup_sparse_q(drafts: torch.Tensor,  # [n, K'] int64, the lookup's drafts 
     ids[:, :, 0] = drafts
     probs[:, :, 0] = (drafts >= 0).float()
     return ids, probs
-
-
-def with_lookup_candidates(cand_ids: torch.Tensor,  # [R, K, k] the retrieval's candidates
-                           drafts: torch.Tensor,  # [R, K'] int64 lookup drafts (-1 pad)
-                           ) -> torch.Tensor:
-    """The tail's candidates with the lookup's continuation among them
-    (`dspine_lookup_candidates`, docs/lookup.md): at each draft position the lookup
-    covers, its token takes the last candidate's place (the retrieval's lowest score)
-    unless the retrieval already has it; elsewhere the retrieval's candidates unchanged.
-    -> [R, K, k], a new tensor.
-
-    The tail then scores the copied token like any candidate and walks as always, so
-    the q each draft is verified with is the tail's own over the candidates it had:
-    exact whatever the lookup proposed. The lookup reads only the request's own context,
-    so a seeded request's candidates, and its text, do not depend on the batch."""
-    R, K, k = cand_ids.shape
-    width = min(K, drafts.shape[1])
-    out = cand_ids.clone()
-    d = drafts[:, :width].to(cand_ids.device)  # [R, width]
-    have = (cand_ids[:, :width] == d[:, :, None]).any(-1)  # [R, width]
-    put = (d >= 0) & ~have
-    out[:, :width, k - 1] = torch.where(put, d, cand_ids[:, :width, k - 1])
-    return out

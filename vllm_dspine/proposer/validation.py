@@ -128,13 +128,6 @@ def check_verification_options(spec_config, cfg: DSpineConfig, options: dict) ->
             "the dynamic policy chooses per request between the lookup's drafts and the "
             "drafter's (docs/lookup.md); with 'fixed' every request verifies the "
             "drafter's block. Remove one of the two keys")
-    if options.get("dspine_lookup_candidates") and not options.get(
-            "dspine_lookup", DEFAULT_LOOKUP if options["dspine_verify"] == "dynamic" else False):
-        raise ValueError(
-            "speculative_config['dspine_lookup_candidates'] = true needs the prompt "
-            "lookup (dspine_lookup true, with dspine_verify 'dynamic'): its continuation "
-            "is what the tail gets as extra candidates (docs/lookup.md). Remove the key "
-            "or turn the lookup on")
     if "dspine_verify_objective" in options and options["dspine_verify"] != "dynamic":
         raise ValueError(
             f"speculative_config['dspine_verify_objective'] = "
