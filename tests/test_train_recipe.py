@@ -277,7 +277,8 @@ def test_coverage_growth_table(corpus_dir, pair, capsys):
 def test_general_command_trains_exports_and_continues(corpus_dir, pair, tmp_path):
     """`python -m vllm_dspine.train` on the tiny corpus: features, training (soft loss,
     tail loss, fewer rows), a loadable bf16 drafter with its retrieval vocabulary and a
-    record; a second run from that drafter keeps the first stage in its record."""
+    record; a second run from that drafter keeps the first stage in its record and the
+    first run's vocabulary."""
     from vllm_dspine.model.checkpoint import load_draft_checkpoint
     from vllm_dspine.train.__main__ import main
 
@@ -309,10 +310,19 @@ def test_general_command_trains_exports_and_continues(corpus_dir, pair, tmp_path
     assert len(rec2["stages"]) == 2 and rec2["stages"][0] == rec["stages"][0]
     assert rec["stages"][0]["sequences"] == 8
     assert rec2["stages"][1]["sequences"] == 4 and rec2["stages"][1]["corpus_shards"] == 1
-    # one shard has fewer distinct ids than retrieval's coarse pass takes: the exported
-    # config lowers coarse_topk to them instead of writing a folder no loader accepts
+    # continued on fewer shards, the drafter keeps its vocabulary (both shards' ids)
     dcfg2, _ = load_draft_checkpoint(out2)
-    assert dcfg2.coarse_topk == len(dcfg2.retrieval_vocab) < dcfg.coarse_topk
+    assert dcfg2.retrieval_vocab == dcfg.retrieval_vocab
+    assert dcfg2.coarse_topk == dcfg.coarse_topk
+    # a new drafter on one shard: it has fewer distinct ids than retrieval's coarse pass
+    # takes, so the exported config lowers coarse_topk to them instead of writing a
+    # folder no loader accepts
+    small = str(tmp_path / "small")
+    assert main(common + ["--steps", "1", "--out", small, "--init", "random",
+                          "--name", "small", "--shards", "1"]) == 0
+    scfg, _ = load_draft_checkpoint(small)
+    assert set(scfg.retrieval_vocab) < set(dcfg.retrieval_vocab)
+    assert scfg.coarse_topk == len(scfg.retrieval_vocab) < dcfg.coarse_topk
     # an evaluation (--steps 0) trains nothing: its held-out figures replace the last
     # stage's, with the command that measured them, and no stage is added
     out3 = str(tmp_path / "d3")

@@ -247,15 +247,6 @@ def main(argv: list[str] | None = None) -> int:
     vocab = coverage_vocab(corpus.sequences, args.vocab_coverage, tcfg.vocab_size)
     _log(f"corpus: {len(corpus)} sequences, {corpus.answer_tokens()} answer tokens; "
          f"loss vocabulary {len(vocab)} ids")
-    if len(vocab) < cfg.coarse_topk:
-        # A small corpus (a test's, a first shard): retrieval's coarse pass takes the whole
-        # vocabulary; a config listing fewer ids than it would be refused at load time.
-        if len(vocab) < cfg.head_topk:
-            raise ValueError(f"the loss vocabulary has {len(vocab)} ids, fewer than the "
-                             f"drafter's head_topk ({cfg.head_topk}): train on more text "
-                             f"(--corpus, --shards) or raise --vocab-coverage")
-        cfg = dataclasses.replace(cfg, coarse_topk=len(vocab))
-        _log(f"coarse_topk lowered to the vocabulary's {len(vocab)} ids")
     target = load_target(args.target)
     embed = target.model.embed_tokens.weight.detach().float()
     head = target.lm_head.weight.detach().float()
@@ -269,6 +260,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.steps == 0 and init_cfg.retrieval_vocab is not None:
             # evaluation only: the drafter as it is served, with its own vocabulary
             vocab = torch.tensor(init_cfg.retrieval_vocab, dtype=torch.long)
+        elif init_cfg.retrieval_vocab is not None:
+            # A continued drafter keeps every id it could draft: its vocabulary grows
+            # with new text and never shrinks to a run's fewer shards (which would lower
+            # its coverage of held-out text).
+            before = len(vocab)
+            vocab = torch.unique(torch.cat([
+                vocab.long(), torch.tensor(init_cfg.retrieval_vocab, dtype=torch.long)]))
+            _log(f"loss vocabulary {len(vocab)} ids: this corpus's {before} and the "
+                 f"--init-from drafter's {len(init_cfg.retrieval_vocab)}")
         prev = os.path.join(args.init_from, "training.json")
         if os.path.exists(prev):
             with open(prev) as f:
@@ -283,6 +283,15 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_dspine.model.checkpoint import random_draft_tensors
 
         init = random_draft_tensors(cfg, args.seed)
+    if len(vocab) < cfg.coarse_topk:
+        # A small corpus (a test's, a first shard): retrieval's coarse pass takes the whole
+        # vocabulary; a config listing fewer ids than it would be refused at load time.
+        if len(vocab) < cfg.head_topk:
+            raise ValueError(f"the loss vocabulary has {len(vocab)} ids, fewer than the "
+                             f"drafter's head_topk ({cfg.head_topk}): train on more text "
+                             f"(--corpus, --shards) or raise --vocab-coverage")
+        cfg = dataclasses.replace(cfg, coarse_topk=len(vocab))
+        _log(f"coarse_topk lowered to the vocabulary's {len(vocab)} ids")
     frozen: frozenset[str] = frozenset()
     if args.variant == "no-bridge":
         for l in range(cfg.num_hidden_layers):
