@@ -364,14 +364,14 @@ V = 512  # TARGET_SIZES["vocab_size"]; logprobs of the whole vocabulary: every r
 # (from the first draft on, the drafter's attention drops the prompt's first tokens). The
 # run's cost is the bf16 prefill (docs/hybrid.md, "KV cache groups": ~760 prompt tokens/s
 # on one core whatever the prompt's length), so a short prompt is what makes FULL_N
-# requests fit in about 80 minutes; 150 tokens and window 64 took ~5.7 hours.
+# requests fit in about 80 minutes (measured 80.2 at FULL_N, docs/hybrid.md); 150
+# tokens and window 64 would take ~5.7 hours.
 SAMPLED_WINDOW = 16
-# The target's own greedy text (its last 24 tokens after 48 greedy ones from the prompt
-# b"the quic"): the distilled drafter learned on target-written text and accepts more
-# there (docs/hybrid.md: ~13 % of the blocks at position 1 against 0.1-7 % on English
-# text of the same length), and the laws of tokens 1-3 stay broad enough for the
-# own-law check (df 4 / 7 / 8-11 measured at 1,000-2,000 requests: TV 0.01 detectable
-# at FULL_N).
+# The target's own greedy text (tokens 25-48 that plain vLLM's bf16 target writes
+# greedily after the prompt b"the quic"): the distilled drafter learned on target-written
+# text and accepts more there (docs/hybrid.md: ~13 % of the blocks at position 1 against
+# 0.1-7 % on English text of 24-32 tokens), and the laws of tokens 1-3 stay broad enough
+# for the own-law check (df 4 / 7 / 10 at FULL_N: TV 0.0083-0.0094 detectable).
 SAMPLED_PROMPT = [504, 227, 69, 383, 49, 283, 77, 359, 440, 22, 54, 86, 87, 18, 221, 405,
                   57, 445, 211, 389, 333, 109, 310, 57]
 SAMPLED_BATCH = dict(max_num_seqs=128, max_num_batched_tokens=128 * 16, max_model_len=256,
