@@ -213,6 +213,14 @@ def _windowed_draft(draft_dir: str, window: int | None, out_dir) -> str:
     return out
 
 
+def _planned_groups(pair, draft_dir: str, settings: KVPlanSettings):
+    """The KV plan (`kv_groups_report`) of the pair's target with the drafter in
+    `draft_dir`: what the engine will group, checked before it starts."""
+    with open(os.path.join(pair.target_dir, "config.json")) as f:
+        target = target_kv_dims(json.load(f))
+    return kv_groups_report(target, DSpineConfig.from_pretrained(draft_dir), settings)
+
+
 @pytest.fixture(scope="module")
 def pair(hybrid_trained_pair):
     return hybrid_trained_pair  # conftest.py: the pair with its distilled drafter
@@ -273,10 +281,9 @@ def test_sliding_window_drafter_on_the_hybrid_target_equals_plain_vllm(
     from vllm_dspine.serving.metrics import ACCEPTED_PER_POS, NUM_ACCEPTED, spec_decode_counters
 
     draft_dir = _windowed_draft(pair.draft_dir, window, tmp_path_factory.mktemp("sw"))
-    target = target_kv_dims(json.load(open(os.path.join(pair.target_dir, "config.json"))))
     settings = KVPlanSettings(max_model_len=ENGINE_KW["max_model_len"],
                               mamba_cache_mode="align" if prefix_caching else "none")
-    planned = kv_groups_report(target, DSpineConfig.from_pretrained(draft_dir), settings)
+    planned = _planned_groups(pair, draft_dir, settings)
     assert grouping_structure(planned.dspine) == structure
     assert planned.vllm.draft_groups == 2  # what vLLM 0.32.0 would do: no start
 
@@ -501,9 +508,7 @@ def test_sliding_window_drafter_samples_follow_plain_vllm(engines, pair, tmp_pat
                                 tmp_path_factory.mktemp("sw_sampled"))
     kw = {**ENGINE_KW, **SAMPLED_BATCH}
     assert len(SAMPLED_PROMPT) > SAMPLED_WINDOW
-    target = target_kv_dims(json.load(open(os.path.join(pair.target_dir, "config.json"))))
-    planned = kv_groups_report(target, DSpineConfig.from_pretrained(draft_dir),
-                               KVPlanSettings(max_model_len=kw["max_model_len"]))
+    planned = _planned_groups(pair, draft_dir, KVPlanSettings(max_model_len=kw["max_model_len"]))
     assert "draft sliding window x 1 (2 layers)" in grouping_structure(planned.dspine)
     with engines.private(pair.target_dir, **kw) as llm:
         plain = _sample(llm, PLAIN_N)
