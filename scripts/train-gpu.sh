@@ -21,9 +21,10 @@
 # PROMPTS_PER_SHARD and MAX_TOKENS (default 512 and 256: the corpus's own settings),
 # VARIANT (full, or no-bridge: the ablation with the same recipe and data; its dflash
 # twin is written beside it, OUT/draft-dflash.tar.*), LAYERS (draft layers, default the
-# preset's 3; docs/training.md "Draft layers" for what more cost in the tree), WORK (the working folder, default
-# /tmp/dspine-gpu; a target, corpus, feature store or training checkpoint already there
-# is reused: a second run resumes the training with the steps its checkpoint records).
+# preset's 3; docs/training.md "Draft layers" for what more cost in the tree), WORK (the
+# working folder, default /tmp/dspine-gpu; a target, corpus, feature store or training
+# checkpoint already there is reused: a second run resumes the training with the steps
+# its checkpoint records).
 set -euo pipefail
 gguf=${1:?GGUF}; static=${2:?STATIC_PROMPTS}; held=${3:?HELD_OUT}; out=${4:?OUT}
 root=$(cd "$(dirname "$0")/.." && pwd)
