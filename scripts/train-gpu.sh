@@ -21,10 +21,12 @@
 # PROMPTS_PER_SHARD and MAX_TOKENS (default 512 and 256: the corpus's own settings),
 # VARIANT (full, or no-bridge: the ablation with the same recipe and data; its dflash
 # twin is written beside it, OUT/draft-dflash.tar.*), LAYERS (draft layers, default the
-# preset's 3; docs/training.md "Draft layers" for what more cost in the tree), WORK (the
-# working folder, default /tmp/dspine-gpu; a target, corpus, feature store or training
-# checkpoint already there is reused: a second run resumes the training with the steps
-# its checkpoint records).
+# preset's 3; docs/training.md "Draft layers" for what more cost in the tree), INIT (a
+# drafter folder, packed or not, to continue from, with its record: for example
+# vllm_dspine/pairs/drafters/smollm2, the committed drafter; default a new drafter from
+# the target's layers), WORK (the working folder, default /tmp/dspine-gpu; a target,
+# corpus, feature store or training checkpoint already there is reused: a second run
+# resumes the training with the steps its checkpoint records).
 set -euo pipefail
 gguf=${1:?GGUF}; static=${2:?STATIC_PROMPTS}; held=${3:?HELD_OUT}; out=${4:?OUT}
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -59,6 +61,7 @@ python3 -m vllm_dspine.train --preset smollm2 --target "$work/target" \
   --vocab-coverage 1.0 --init-norm-scale 0.3 --seqs-per-step "${SEQS:-64}" \
   --lr "${LR:-6e-4}" --steps "${STEPS:-100000}" --time-budget "$budget" \
   --variant "${VARIANT:-full}" --name "gpu-${VARIANT:-full}" ${LAYERS:+--layers "$LAYERS"} \
+  ${INIT:+--init-from "$INIT"} \
   --out "$work/draft" --out-packed "$work/packed" > "$out/train.log" 2>&1 || true
 tail -n 40 "$out/train.log" | tr '\r' '\n' | tail -n 40
 [[ -f $work/packed/drafter.packed ]] || { log "no drafter written"; exit 1; }
