@@ -23,8 +23,8 @@
 # twin is written beside it, OUT/draft-dflash.tar.*), LAYERS (draft layers, default the
 # preset's 3; docs/training.md "Draft layers" for what more cost in the tree), INIT (a
 # drafter folder, packed or not, to continue from, with its record: for example
-# vllm_dspine/pairs/drafters/smollm2, the committed drafter; default a new drafter from
-# the target's layers), WORK (the working folder, default /tmp/dspine-gpu; a target,
+# vllm_dspine/pairs/drafters/smollm2, the committed drafter, of 3 layers, so not with
+# another LAYERS; default a new drafter from the target's layers), WORK (the working folder, default /tmp/dspine-gpu; a target,
 # corpus, feature store or training checkpoint already there is reused: a second run
 # resumes the training with the steps its checkpoint records).
 set -euo pipefail

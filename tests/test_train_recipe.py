@@ -308,6 +308,11 @@ def test_general_command_trains_exports_and_continues(corpus_dir, pair, tmp_path
                           "--name", "again", "--shards", "1"]) == 0
     rec2 = json.load(open(os.path.join(out2, "training.json")))
     assert len(rec2["stages"]) == 2 and rec2["stages"][0] == rec["stages"][0]
+    # a drafter of another layer count is refused by name before anything is trained
+    with pytest.raises(ValueError, match="another shape: num_hidden_layers"):
+        main(common + ["--steps", "1", "--out", str(tmp_path / "bad"), "--init-from", out1,
+                       "--layers", str(dcfg.num_hidden_layers + 1)])
+    assert not os.path.exists(tmp_path / "bad")
     assert rec["stages"][0]["sequences"] == 8
     assert rec2["stages"][1]["sequences"] == 4 and rec2["stages"][1]["corpus_shards"] == 1
     # continued on fewer shards, the drafter keeps its vocabulary (both shards' ids)

@@ -237,6 +237,23 @@ def main(argv: list[str] | None = None) -> int:
                          tcfg.num_hidden_layers, layers))
     cfg = draft_config_for(tcfg, layers, args.code_dim or 256, args.message_dim or 128,
                            target_layers, args.mask_token_id)
+    if args.init_from:
+        # Loaded before the features are built (minutes to hours), so a drafter of another
+        # shape is refused at once rather than as a missing tensor mid-training.
+        init_cfg, init = load_drafter(args.init_from)
+        differ = [f"{k} {getattr(init_cfg, k)} (this run: {getattr(cfg, k)})"
+                  for k in ("num_hidden_layers", "hidden_size", "intermediate_size",
+                            "code_dim", "message_dim")
+                  if getattr(init_cfg, k) != getattr(cfg, k)]
+        if tuple(init_cfg.target_layer_ids) != tuple(cfg.target_layer_ids):
+            differ.append(f"target_layer_ids {tuple(init_cfg.target_layer_ids)} "
+                          f"(this run: {tuple(cfg.target_layer_ids)})")
+        if differ:
+            raise ValueError(
+                f"--init-from {args.init_from} is a drafter of another shape: "
+                f"{', '.join(differ)}; pass the matching --layers / --code-dim / "
+                f"--message-dim / --target-layers, or leave out --init-from to train a "
+                f"new drafter")
     store = os.path.join(work, "features")
     if rank == 0:
         build_store(args.target, args.corpus, store, target_layers, args.topk, args.shards,
@@ -253,7 +270,6 @@ def main(argv: list[str] | None = None) -> int:
     record_prev: dict = {}
     kept_rows = torch.zeros(0, dtype=torch.long)  # codebook rows an --init-from kept packed
     if args.init_from:
-        init_cfg, init = load_drafter(args.init_from)
         if is_packed_drafter(args.init_from):
             kept_rows = packed_row_ids(args.init_from)
         init = {k: v.float() for k, v in init.items()}
