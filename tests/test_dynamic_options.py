@@ -120,6 +120,12 @@ def test_batch_size_schedule_is_accepted(pair):
                  id="lookup-with-fixed"),
     pytest.param({"dspine_lookup": 1}, r"dspine_lookup'\] = 1 is not one of",
                  id="lookup-int-for-bool"),
+    pytest.param({"dspine_lookup_corpus": True, "dspine_lookup": False},
+                 r"dspine_lookup_corpus'\] = True needs the lookup on", id="corpus-without-lookup"),
+    pytest.param({"dspine_lookup_corpus": "/x.npz", "dspine_verify": "fixed"},
+                 r"dspine_lookup_corpus'\] = '/x.npz' needs the lookup on", id="corpus-with-fixed"),
+    pytest.param({"dspine_lookup_corpus": ""}, r"dspine_lookup_corpus'\] = ''",
+                 id="corpus-empty-path"),
 ])
 def test_bad_settings_are_refused(pair, extra, match):
     with pytest.raises(ValueError, match=match):

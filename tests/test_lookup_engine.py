@@ -130,9 +130,10 @@ def lookup_law(pair):
 
 
 def _sampled_follows_the_law(llm, law, profile_path, n: int, asserted_tv: float,
-                             seeded: bool = False) -> None:
+                             seeded: bool = False, source: str = "lookup") -> None:
     """n requests of LOOKUP_CASE (each with its own seed 0..n-1 if `seeded`): tokens 2
-    and 3 follow `law`, with the lookup's drafts verified in > n / 10 request-steps."""
+    and 3 follow `law`, with drafts of `source` (the lookup's, or those of them the
+    corpus lookup gave) verified in > n / 10 request-steps."""
     from vllm import TokensPrompt
 
     c0, m0 = _counts(profile_path), spec_decode_counters(llm)
@@ -149,7 +150,7 @@ def _sampled_follows_the_law(llm, law, profile_path, n: int, asserted_tv: float,
           f"sources {c}; {drafts} "
           f"verifications, {accepted} drafts accepted")
     # Both sources verified, in a good number of request-steps each.
-    assert c.get("lookup_request_steps", 0) > n // 10, c
+    assert c.get(f"{source}_request_steps", 0) > n // 10, c
     assert accepted > n // 10
     assert spec.shape == (n, 6)
     check_follows("lookup", spec, law, (1, 2), asserted_tv=asserted_tv)
@@ -213,3 +214,81 @@ def test_sampled_distribution_is_exact_with_lookup_and_seeds_full(lookup_llm, lo
     """The seeded case at FULL_SAMPLES (detects TV 0.01 at power 0.9)."""
     _sampled_follows_the_law(lookup_llm, lookup_law, profile_path, FULL_SAMPLES, 0.01,
                              seeded=True)
+
+
+# ---------------------------------------------------------------- the corpus lookup
+# (docs/lookup.md "The corpus lookup"): an engine whose lookup also matches a corpus of
+# the target's own text, written from plain decoding before it starts: the greedy answers
+# to half of `_greedy_sources`' prompts, and LOOKUP_CASE's prompt with sampled
+# continuations at its temperature. Its own-context matches are 4 tokens long only, so
+# most steps of those requests take the corpus's drafts (no own match, or a corpus match
+# of 8 tokens).
+
+
+_CORPUS: dict = {}  # the corpus file, written once per session (plain_llm is per test)
+
+
+@pytest.fixture
+def corpus_path(plain_llm, tmp_path_factory):
+    if "path" in _CORPUS:
+        return _CORPUS["path"]
+    import numpy as np
+    from vllm import SamplingParams, TokensPrompt
+
+    from vllm_dspine.proposer.corpus_lookup import write_lookup_corpus
+
+    prompts = prompts_of_lengths(24)[:12]
+    outs = plain_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64,
+                                                      ignore_eos=True), use_tqdm=False)
+    texts = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+    sampled = plain_llm.generate(
+        [TokensPrompt(prompt_token_ids=list(LOOKUP_CASE.prompt))] * 200,
+        [LOOKUP_CASE.sampling_params(max_tokens=6, seed=10_000 + i) for i in range(200)],
+        use_tqdm=False)
+    texts += [list(LOOKUP_CASE.prompt) + list(o.outputs[0].token_ids) for o in sampled]
+    path = str(tmp_path_factory.mktemp("lookup_corpus") / "corpus.npz")
+    write_lookup_corpus([np.array(t) for t in texts], path)
+    _CORPUS["path"] = path
+    return path
+
+
+@pytest.fixture
+def corpus_llm(engines, pair, corpus_path, tmp_path_factory):
+    path = str(tmp_path_factory.getbasetemp() / "corpus_profile.json")
+    os.environ[step_profile.ENV] = path
+    try:
+        llm = engines.get(pair.target_dir, dspine_spec(
+            pair.draft_dir, dspine_verify_cost=INJECTED_COST, dspine_lookup=True,
+            dspine_lookup_min=4, dspine_lookup_max=4, dspine_lookup_corpus=corpus_path))
+    finally:
+        os.environ.pop(step_profile.ENV, None)
+    return llm, path
+
+
+def test_greedy_identical_with_the_corpus_lookup(plain_llm, corpus_llm):
+    """Identical to plain decoding on all 24 prompts (12 whose answers the corpus holds,
+    12 it does not), with the corpus's drafts verified and accepted."""
+    llm, path = corpus_llm
+    m0 = spec_decode_counters(llm)
+    c = _greedy_sources(plain_llm, llm, path)
+    m1 = spec_decode_counters(llm)
+    accepted = m1["vllm:spec_decode_num_accepted_tokens"] - m0.get(
+        "vllm:spec_decode_num_accepted_tokens", 0)
+    print(f"greedy with the corpus lookup: sources {c}; drafts accepted {accepted}")
+    assert c.get("corpus_request_steps", 0) > 0 and c.get("corpus_drafts", 0) > 0, c
+    assert accepted > c["corpus_drafts"] // 4, (accepted, c)
+
+
+def test_sampled_distribution_is_exact_with_the_corpus_lookup(corpus_llm, lookup_law):
+    """LOOKUP_CASE's tokens 2 and 3 follow the exact law with the corpus's drafts (the
+    voted continuation of 200 sampled answers, verified at q = 1) in > n / 10
+    request-steps: FAST_SAMPLES requests, as for the prompt lookup above."""
+    llm, path = corpus_llm
+    _sampled_follows_the_law(llm, lookup_law, path, FAST_SAMPLES, 0.06, source="corpus")
+
+
+@pytest.mark.full
+def test_sampled_distribution_is_exact_with_the_corpus_lookup_full(corpus_llm, lookup_law):
+    """The same at FULL_SAMPLES (detects TV 0.01 at power 0.9)."""
+    llm, path = corpus_llm
+    _sampled_follows_the_law(llm, lookup_law, path, FULL_SAMPLES, 0.01, source="corpus")

@@ -315,6 +315,15 @@ def test_general_command_trains_exports_and_continues(corpus_dir, pair, tmp_path
     assert not os.path.exists(tmp_path / "bad")
     assert rec["stages"][0]["sequences"] == 8
     assert rec2["stages"][1]["sequences"] == 4 and rec2["stages"][1]["corpus_shards"] == 1
+    # beside each drafter, the corpus lookup's text: the answers of the run's shards
+    from vllm_dspine.proposer.corpus_lookup import CorpusIndex
+
+    corpus = C.Corpus(corpus_dir)
+    answers = [s_[a:] for s_, a in zip(corpus.sequences, corpus.answer_start)]
+    assert CorpusIndex.load(os.path.join(out1, "lookup_corpus.npz")).num_tokens == \
+        sum(map(len, answers)) == corpus.answer_tokens()
+    assert CorpusIndex.load(os.path.join(out2, "lookup_corpus.npz")).num_tokens == \
+        sum(map(len, answers[:4]))
     # continued on fewer shards, the drafter keeps its vocabulary (both shards' ids)
     dcfg2, _ = load_draft_checkpoint(out2)
     assert dcfg2.retrieval_vocab == dcfg.retrieval_vocab

@@ -33,7 +33,8 @@ def spec_of(method: str, pair: str) -> dict | None:
     dspine-default (DSpine's defaults: dynamic, the lookup, `fair`), dspine-dynamic
     (dynamic, no lookup, throughput objective), dspine-lookup (dynamic with the prompt lookup, docs/lookup.md) and
     its no-lookup twin dspine-nolookup, dspine-lookup-fair (dspine-lookup with
-    `dspine_verify_objective: fair`, docs/dynamic-verification.md), dspine-fair
+    `dspine_verify_objective: fair`, docs/dynamic-verification.md; both without the
+    corpus lookup), dspine-corpus (dspine-lookup-fair with the corpus lookup), dspine-fair
     (dspine-dynamic with that objective), dspine-skip, dspine-notail, dspine-nobridge, and dspine-fixedN
     (DSpine verifying N drafts every step)."""
     draft = os.path.join(pair, "draft")
@@ -73,13 +74,20 @@ def spec_of(method: str, pair: str) -> dict | None:
         return {"method": "dspine", "model": draft, "num_speculative_tokens": K,
                 "dspine_verify": "dynamic", "dspine_lookup": True,
                 "dspine_lookup_min": 2, "dspine_lookup_max": 4,
-                "dspine_verify_objective": "throughput"}
+                "dspine_verify_objective": "throughput", "dspine_lookup_corpus": False}
     if method == "dspine-lookup-fair":
         # dspine-lookup with greedy lengths chosen by the requests' log-rates.
         return {"method": "dspine", "model": draft, "num_speculative_tokens": K,
                 "dspine_verify": "dynamic", "dspine_lookup": True,
                 "dspine_lookup_min": 2, "dspine_lookup_max": 4,
-                "dspine_verify_objective": "fair"}
+                "dspine_verify_objective": "fair", "dspine_lookup_corpus": False}
+    if method == "dspine-corpus":
+        # dspine-lookup-fair with the corpus lookup (the drafter folder's
+        # lookup_corpus.npz, docs/lookup.md "The corpus lookup").
+        return {"method": "dspine", "model": draft, "num_speculative_tokens": K,
+                "dspine_verify": "dynamic", "dspine_lookup": True,
+                "dspine_lookup_min": 2, "dspine_lookup_max": 4,
+                "dspine_verify_objective": "fair", "dspine_lookup_corpus": True}
     if method == "dspine-fair":
         # dspine-dynamic with lengths chosen by the requests' log-rates, no lookup.
         return {"method": "dspine", "model": draft, "num_speculative_tokens": K,

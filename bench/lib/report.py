@@ -33,8 +33,20 @@ def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            m = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
-            cpu = m.group(1).strip() if m else cpu
+            info = f.read()
+        m = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
+        cpu = m.group(1).strip() if m else cpu
+        # The vector ISA too: the same "AMD EPYC" name covered an AVX2-only machine and
+        # an AVX-512 one, whose GEMMs give verification a different cost curve
+        # (docs/benchmarks.md, 2026-12-05 evening).
+        fam = re.search(r"^cpu family\s*:\s*(\d+)$", info, re.M)
+        mod = re.search(r"^model\s*:\s*(\d+)$", info, re.M)
+        flags = set((re.search(r"^flags\s*:\s*(.+)$", info, re.M) or [None, ""])[1].split())
+        isa = ("AVX-512" + (" with bf16" if "avx512_bf16" in flags else "")
+               if "avx512f" in flags else "AVX2 only" if "avx2" in flags else "no AVX2")
+        if fam and mod:
+            cpu += f", family {fam.group(1)} model {mod.group(1)}"
+        cpu += f", {isa}"
     except OSError:
         pass
     text = f"{os.cpu_count()}-core CPU ({cpu}, {platform.machine()})"
@@ -141,17 +153,19 @@ def engine_tables(rows: list[dict]) -> str:
     src = [r for r in rows if r.get("sources")]
     if src:
         out.append("Where DSpine's verified drafts came from (request-steps with drafts, "
-                   "and drafts, from the drafter and from the prompt lookup; docs/lookup.md):")
+                   "and drafts, from the drafter and from the lookup, and of the lookup's "
+                   "those the corpus lookup gave; docs/lookup.md):")
         out.append("")
         out.append("| method | workload | sampling | conc. | drafter request-steps (drafts) "
-                   "| lookup request-steps (drafts) |")
-        out.append("| --- | --- | --- | ---: | ---: | ---: |")
+                   "| lookup request-steps (drafts) | of them from the corpus |")
+        out.append("| --- | --- | --- | ---: | ---: | ---: | ---: |")
         for r in src:
             c = r["sources"]
             out.append(f"| {r['method']} | {r['workload']} | {r['sampling']} "
                        f"| {r['concurrency']} | {c.get('drafter_request_steps', 0)} "
                        f"({c.get('drafter_drafts', 0)}) | {c.get('lookup_request_steps', 0)} "
-                       f"({c.get('lookup_drafts', 0)}) |")
+                       f"({c.get('lookup_drafts', 0)}) | {c.get('corpus_request_steps', 0)} "
+                       f"({c.get('corpus_drafts', 0)}) |")
         out.append("")
     out.append("Time per engine step, measured in the engine (ms; host = step - target - "
                "sampler - drafter, the model runner's own work; outside = wall time per "

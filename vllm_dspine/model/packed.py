@@ -30,9 +30,10 @@ import torch
 
 from vllm_dspine.config import DSpineConfig
 from vllm_dspine.model.checkpoint import load_draft_checkpoint, save_draft_checkpoint
+from vllm_dspine.model.lookup_corpus import LOOKUP_CORPUS_FILE
 
 PACKED = "drafter.packed"
-SIDE_FILES = ("config.json", "training.json", "loss.png")
+SIDE_FILES = ("config.json", "training.json", "loss.png", LOOKUP_CORPUS_FILE)
 
 
 def is_packed_drafter(folder: str) -> bool:

@@ -395,7 +395,7 @@ def committed_drafter_digest(drafter: str = COMMITTED_DRAFTER) -> str:
         if not os.path.isdir(folder):
             continue
         for name in sorted(os.listdir(folder)):
-            if name.endswith((".json", ".safetensors", ".packed")):
+            if name.endswith((".json", ".safetensors", ".packed", ".npz")):
                 h.update(name.encode())
                 with open(os.path.join(folder, name), "rb") as f:
                     for chunk in iter(lambda: f.read(1 << 20), b""):

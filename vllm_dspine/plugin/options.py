@@ -43,6 +43,15 @@ def _lookup_n_option(key):
     return check
 
 
+def _lookup_corpus_option(value):
+    if value is True or value is False or (isinstance(value, str) and value):
+        return value
+    raise ValueError(
+        f"speculative_config['dspine_lookup_corpus'] = {value!r}: give true (the drafter "
+        f"folder's lookup_corpus.npz), the path of a lookup corpus, or false (the "
+        f"default: no corpus lookup)")
+
+
 # A value is the tuple of allowed values or a function that checks (and normalises) one.
 DSPINE_OPTIONS = {
     "dspine_retrieval": ("auto", "fp8", "bf16"),
@@ -54,6 +63,7 @@ DSPINE_OPTIONS = {
     "dspine_lookup": (True, False),
     "dspine_lookup_min": _lookup_n_option("dspine_lookup_min"),
     "dspine_lookup_max": _lookup_n_option("dspine_lookup_max"),
+    "dspine_lookup_corpus": _lookup_corpus_option,
 }
 
 

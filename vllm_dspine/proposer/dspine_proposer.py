@@ -53,6 +53,7 @@ from vllm_dspine.kernels.tail import (SAMPLING_EPS, LastWriteInputs, TailTables,
                                       tail_score_tables)
 from vllm_dspine.proposer.calibration import draft_confidence
 from vllm_dspine.proposer.context_log import ContextLog
+from vllm_dspine.proposer.corpus_lookup import LOOKUP_CORPUS_FILE, CorpusIndex
 from vllm_dspine.proposer.dynamic import AT_CAP, GREEDY, LOOKUP, SAMPLED, DynamicVerifier
 from vllm_dspine.proposer.lookup import LookupBatch, PromptLookup, lookup_sparse_q
 from vllm_dspine.proposer.retrieval_head import RetrievalHead
@@ -75,13 +76,19 @@ def min_p_of_batch(sampling_metadata: SamplingMetadata, num_reqs: int
     return None
 
 
-def _count_sources(lengths: np.ndarray, source: np.ndarray) -> None:
-    """Request-steps and drafts verified per source, into the step profile (when on)."""
+def _count_sources(lengths: np.ndarray, source: np.ndarray,
+                   lookup: LookupBatch | None = None) -> None:
+    """Request-steps and drafts verified per source, into the step profile (when on);
+    `corpus_*` counts the lookup's that came from the corpus lookup (a part of
+    `lookup_*`)."""
     prof = profile()
     if prof is None:
         return
     lengths = np.asarray(lengths)
-    for name, mask in (("lookup", source == LOOKUP), ("drafter", source != LOOKUP)):
+    corpus = (lookup.from_corpus if lookup is not None and lookup.from_corpus is not None
+              else np.zeros(len(lengths), dtype=bool))
+    for name, mask in (("lookup", source == LOOKUP), ("drafter", source != LOOKUP),
+                       ("corpus", (source == LOOKUP) & corpus)):
         sel = mask & (lengths > 0)
         prof.count(f"{name}_request_steps", int(sel.sum()))
         prof.count(f"{name}_drafts", int(lengths[sel].sum()))
@@ -127,7 +134,8 @@ class DSpineProposer(DFlashProposer):
         self._lookup: PromptLookup | None = None
         if self._verifier is not None and self.options.get("dspine_lookup", DEFAULT_LOOKUP):
             self._lookup = PromptLookup(self.options.get("dspine_lookup_min", 2),
-                                        self.options.get("dspine_lookup_max", 4), K)
+                                        self.options.get("dspine_lookup_max", 4), K,
+                                        corpus=self._load_lookup_corpus())
         # The drafted block's confidences [num_reqs, K] (numpy) for the policy, from
         # `_sample_draft_tokens` to `_draft_rows`, across vLLM's `propose` (which
         # returns only the drafts); `_draft_rows` takes it.
@@ -145,6 +153,25 @@ class DSpineProposer(DFlashProposer):
                       and not vllm_config.model_config.is_hybrid))
 
     # ---------------------------------------------------------------- loading
+    def _load_lookup_corpus(self) -> CorpusIndex | None:
+        """The corpus lookup's index (docs/lookup.md "The corpus lookup"), off unless
+        asked for: `dspine_lookup_corpus: true` reads the drafter folder's
+        `lookup_corpus.npz`, a path names another file. (Off by default: measured on the
+        SmolLM2 pair it did not pay at every setting, docs/lookup.md.)"""
+        given = self.options.get("dspine_lookup_corpus", False)
+        if given is False:
+            return None
+        draft_dir = self.draft_model_config.model
+        path = given if isinstance(given, str) else os.path.join(draft_dir, LOOKUP_CORPUS_FILE)
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"speculative_config['dspine_lookup_corpus'] = {given!r}: no lookup corpus "
+                f"at {path}; write one with `python -m vllm_dspine.train.lookup_corpus "
+                f"--corpus CORPUS_DIR --out {path}` (docs/lookup.md), or remove the key")
+        index = CorpusIndex.load(path)
+        logger.info("DSpine corpus lookup: %d tokens from %s", index.num_tokens, path)
+        return index
+
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
         from vllm_dspine.proposer.validation import check_loaded_pair
@@ -324,7 +351,7 @@ class DSpineProposer(DFlashProposer):
             self._store_context_only(inputs)
             lengths = v.choose_lookup_only(req_ids, kinds, plan.caps, lookup, plan.lookup)
             v.end(req_ids, drafted=False)
-            _count_sources(lengths, np.full(num_reqs, LOOKUP))
+            _count_sources(lengths, np.full(num_reqs, LOOKUP), lookup)
             if not lengths.any():
                 return [[] for _ in range(num_reqs)]
             self._last_sparse_q = self._with_lookup_q(None, lookup, lengths > 0)
@@ -340,7 +367,7 @@ class DSpineProposer(DFlashProposer):
             self._own_stream = None
         lengths = v.choose(req_ids, kinds, caps, confidence, plan, lookup)
         v.end(req_ids, drafted=True)
-        _count_sources(lengths, v.last_source)
+        _count_sources(lengths, v.last_source, lookup)
         from_lookup = (v.last_source == LOOKUP) & (lengths > 0)
         if from_lookup.any():
             self._last_sparse_q = self._with_lookup_q(self._last_sparse_q, lookup, from_lookup)

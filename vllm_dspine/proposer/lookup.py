@@ -31,11 +31,15 @@ import numpy as np
 import torch
 
 from vllm_dspine.proposer.calibration import AcceptanceCalibrator
+from vllm_dspine.proposer.corpus_lookup import MAX_N as CORPUS_MAX_N
+from vllm_dspine.proposer.corpus_lookup import CorpusIndex
 
 # Where a continuation is copied from: its first token lies in the prompt, or in the
-# answer so far.
-IN_PROMPT, IN_ANSWER = 0, 1
-# Match lengths with a bin of their own: 1, 2, 3, 4, >= 5 tokens.
+# answer so far, or it comes from the corpus lookup (`corpus_lookup.py`).
+IN_PROMPT, IN_ANSWER, IN_CORPUS = 0, 1, 2
+WHERES = 3
+# Match lengths with a bin of their own: 1, 2, 3, 4, >= 5 tokens (the corpus's: 2, 3,
+# 4-5, 6-7, 8, `_corpus_length_bin`).
 MATCH_LENGTHS = 5
 
 # The starting guesses of the lookup's calibrator: [where (IN_PROMPT, IN_ANSWER), match
@@ -58,14 +62,43 @@ LOOKUP_START = np.array([
      [0.58, 0.73, 0.91, 0.96, 0.96],  # 3
      [0.79, 0.80, 0.98, 0.98, 0.98],  # 4
      [0.58, 0.73, 0.91, 0.96, 0.96]],  # >= 5
+    # The corpus lookup, by its own match-length bins (2, 3, 4-5, 6-7, 8): the same
+    # kind of walk over held-out target answers (`python bench/corpus_walk.py`: the
+    # SmolLM2 corpus's last shard, its 384 temperature-0 answers; the index built from
+    # the other 14 shards), counted where the rule of `PromptLookup.propose` takes the
+    # corpus's drafts (docs/lookup.md "The corpus lookup"); lengths 2-5, which that rule
+    # does not propose (CORPUS_MIN_MATCH), from the walk with `--min-match 2`. No
+    # benchmark prompt.
+    [[0.30, 0.41, 0.50, 0.75, 0.75],  # from the corpus, match length 2
+     [0.43, 0.46, 0.57, 0.75, 0.75],  # 3
+     [0.48, 0.51, 0.62, 0.76, 0.76],  # 4-5
+     [0.54, 0.59, 0.67, 0.78, 0.78],  # 6-7
+     [0.61, 0.67, 0.79, 0.91, 0.91]],  # 8
 ])
+
+
+# The shortest corpus match whose continuation is proposed. The drafter learned the
+# corpus's short-range statistics; a short match adds little it does not know and takes
+# request-steps from it: on the benchmark's chat prompts with every corpus match from 2
+# tokens, DSpine committed 1.84 tokens a step against 2.00 without the corpus
+# (docs/benchmarks.md `bench_e2e_corpus_c1`); on held-out answers a first draft from a
+# 2-token match was accepted 0.30 of the time, from 6-7 tokens 0.54 (`python
+# bench/corpus_walk.py --min-match 2`; the drafter's, served on chat: 0.48-0.57).
+CORPUS_MIN_MATCH = 6
+
+
+def _corpus_length_bin(match_len: int) -> int:
+    return {2: 0, 3: 1, 4: 2, 5: 2, 6: 3, 7: 3}.get(int(match_len), 0 if match_len < 2 else 4)
 
 
 def lookup_feature(match_len: int, where: int) -> float:
     """The value a lookup draft carries in `LookupBatch.conf`: the centre of its bin of
     `LookupCalibrator.EDGES`, one bin per (where, match length)."""
-    length = min(max(int(match_len), 1), MATCH_LENGTHS) - 1
-    return (int(where) * MATCH_LENGTHS + length + 0.5) / (2 * MATCH_LENGTHS)
+    if where == IN_CORPUS:
+        length = _corpus_length_bin(match_len)
+    else:
+        length = min(max(int(match_len), 1), MATCH_LENGTHS) - 1
+    return (int(where) * MATCH_LENGTHS + length + 0.5) / (WHERES * MATCH_LENGTHS)
 
 
 class LookupCalibrator(AcceptanceCalibrator):
@@ -75,13 +108,13 @@ class LookupCalibrator(AcceptanceCalibrator):
     over the bins of its own where (a match into the prompt never borrows the answer's
     acceptance, nor the reverse)."""
 
-    EDGES = np.linspace(0.0, 1.0, 2 * MATCH_LENGTHS + 1)
-    POOLS = 2  # IN_PROMPT's bins, then IN_ANSWER's
+    EDGES = np.linspace(0.0, 1.0, WHERES * MATCH_LENGTHS + 1)
+    POOLS = WHERES  # IN_PROMPT's bins, then IN_ANSWER's, then IN_CORPUS's
 
     def __init__(self, num_positions: int) -> None:
         super().__init__(num_positions)
         # [where, length, group] -> [group, bin], for both kinds.
-        start = LOOKUP_START.reshape(2 * MATCH_LENGTHS, -1).T
+        start = LOOKUP_START.reshape(WHERES * MATCH_LENGTHS, -1).T
         self._prior = np.broadcast_to(start, self._prior.shape).copy()
         self._pooled = self._pooled_prior()
 
@@ -119,11 +152,13 @@ def longest_match_continuation(context: np.ndarray, min_n: int, max_n: int
 class LookupBatch:
     """One step's lookup proposals: drafts [R, K] int64 (-1 past each length), lengths
     [R], the calibrator's feature per draft [R, K] (`lookup_feature`; 0 past each
-    length)."""
+    length), which requests' drafts the corpus lookup gave."""
 
     drafts: np.ndarray
     lengths: np.ndarray
     conf: np.ndarray
+    # [R] bool: the drafts come from the corpus lookup (counted apart in the step profile).
+    from_corpus: np.ndarray | None = None
 
     @property
     def any(self) -> bool:
@@ -132,11 +167,16 @@ class LookupBatch:
 
 class PromptLookup:
     """Per request, the lookup continuation of its context (prompt + output + the
-    tokens this step committed), at most `cap` drafts."""
+    tokens this step committed), at most `cap` drafts; with a `corpus`, the corpus
+    lookup's continuation where the context has none, or where the corpus matches its
+    longest suffix (`corpus_lookup.MAX_N` tokens: on held-out answers such a match's
+    drafts were accepted more often than the context's, docs/lookup.md)."""
 
-    def __init__(self, min_n: int, max_n: int, num_proposals: int) -> None:
+    def __init__(self, min_n: int, max_n: int, num_proposals: int,
+                 corpus: CorpusIndex | None = None) -> None:
         assert 1 <= min_n <= max_n, (min_n, max_n)
         self.min_n, self.max_n, self.K = int(min_n), int(max_n), int(num_proposals)
+        self.corpus = corpus
         # numba compiles the matcher on its first call (~1 s): here, not in a step.
         longest_match_continuation(np.array([1, 2, 1, 2, 1], dtype=np.int32),
                                    self.min_n, self.max_n)
@@ -150,20 +190,26 @@ class PromptLookup:
         drafts = np.full((R, K), -1, dtype=np.int64)
         lengths = np.zeros(R, dtype=np.int64)
         conf = np.zeros((R, K), dtype=np.float64)
+        from_corpus = np.zeros(R, dtype=bool)
         for i, ctx in enumerate(contexts):
             cap = min(int(caps[i]), K)
             if ctx is None or cap <= 0:
                 continue
             rest, m = longest_match_continuation(ctx, self.min_n, self.max_n)
+            start = int(ctx.shape[0]) - int(rest.shape[0])
+            where = IN_PROMPT if start < int(prompt_lens[i]) else IN_ANSWER
+            if self.corpus is not None:
+                found, cm = self.corpus.continuation(ctx, cap, CORPUS_MIN_MATCH)
+                if found.shape[0] and (cm >= CORPUS_MAX_N or rest.shape[0] == 0):
+                    rest, m, where = found, cm, IN_CORPUS
             n = min(cap, int(rest.shape[0]))
             if n <= 0:
                 continue
             drafts[i, :n] = rest[:n]
             lengths[i] = n
-            start = int(ctx.shape[0]) - int(rest.shape[0])
-            where = IN_PROMPT if start < int(prompt_lens[i]) else IN_ANSWER
             conf[i, :n] = lookup_feature(m, where)
-        return LookupBatch(drafts, lengths, conf)
+            from_corpus[i] = where == IN_CORPUS
+        return LookupBatch(drafts, lengths, conf, from_corpus)
 
 
 def lookup_sparse_q(drafts: torch.Tensor,  # [n, K'] int64, the lookup's drafts (-1 pad)

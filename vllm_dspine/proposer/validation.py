@@ -142,6 +142,12 @@ def check_verification_options(spec_config, cfg: DSpineConfig, options: dict) ->
         # paid or tied at every measured setting).
         options.setdefault("dspine_lookup", DEFAULT_LOOKUP)
         options.setdefault("dspine_verify_objective", DEFAULT_OBJECTIVE)
+    if options.get("dspine_lookup_corpus", False) is not False and not options.get("dspine_lookup"):
+        raise ValueError(
+            f"speculative_config['dspine_lookup_corpus'] = "
+            f"{options['dspine_lookup_corpus']!r} needs the lookup on (dspine_lookup true, "
+            f"with dspine_verify 'dynamic'): the corpus lookup is the lookup's second "
+            f"match (docs/lookup.md). Remove the key, or turn the lookup on")
     return options
 
 

@@ -151,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
                          "features are computed for those alone")
     ap.add_argument("--work", required=True, help="working folder (features, state)")
     ap.add_argument("--out", default=None, help="the drafter's folder (default WORK/draft)")
+    ap.add_argument("--no-lookup-corpus", dest="lookup_corpus", action="store_false",
+                    help="do not write OUT/lookup_corpus.npz, the answers of this run's corpus "
+                         "shards for DSpine's corpus lookup (docs/lookup.md)")
     ap.add_argument("--out-packed", default=None,
                     help="also write the drafter packed here (model/packed.py: the codebook "
                          "rows of the corpus's tokens, as the committed drafters are stored); "
@@ -374,6 +377,14 @@ def main(argv: list[str] | None = None) -> int:
               "wall_seconds_this_run": round(time.time() - t_start, 1)}
     with open(os.path.join(out, "training.json"), "w") as f:
         json.dump(record, f, indent=2)
+    if args.lookup_corpus:
+        # The corpus lookup's text (docs/lookup.md "The corpus lookup"): this run's
+        # answers, beside the drafter that learned them (copied when packed).
+        from vllm_dspine.model.lookup_corpus import LOOKUP_CORPUS_FILE, write_lookup_corpus
+
+        lc = write_lookup_corpus([s[a:] for s, a in zip(corpus.sequences, corpus.answer_start)],
+                                 os.path.join(out, LOOKUP_CORPUS_FILE))
+        _log(f"lookup corpus: {lc}")
     if args.out_packed:
         # The rows training moved (every token of the corpus read, the loss vocabulary)
         # and those the starting drafter kept: nothing it had learned is dropped.
