@@ -86,13 +86,18 @@ def _greedy_sources(plain_llm, llm, profile_path) -> dict:
     return _delta(_counts(profile_path), c0)
 
 
+def _greedy_sources_accepted(plain_llm, llm, profile_path) -> tuple[dict, int]:
+    """`_greedy_sources`, and the drafts `llm` accepted meanwhile (vLLM's counter)."""
+    m0 = spec_decode_counters(llm)
+    c = _greedy_sources(plain_llm, llm, profile_path)
+    m1 = spec_decode_counters(llm)
+    return c, m1["vllm:spec_decode_num_accepted_tokens"] - m0.get(
+        "vllm:spec_decode_num_accepted_tokens", 0)
+
+
 def test_greedy_identical_with_lookup(plain_llm, lookup_llm, profile_path):
     """Identical to plain decoding (`_greedy_sources`), with both sources verified."""
-    m0 = spec_decode_counters(lookup_llm)
-    c = _greedy_sources(plain_llm, lookup_llm, profile_path)
-    m1 = spec_decode_counters(lookup_llm)
-    accepted = m1["vllm:spec_decode_num_accepted_tokens"] - m0.get(
-        "vllm:spec_decode_num_accepted_tokens", 0)
+    c, accepted = _greedy_sources_accepted(plain_llm, lookup_llm, profile_path)
     print(f"greedy with lookup: sources {c}; drafts accepted {accepted}")
     assert c.get("lookup_request_steps", 0) > 0 and c.get("lookup_drafts", 0) > 0, c
     assert accepted > 0
@@ -269,11 +274,7 @@ def test_greedy_identical_with_the_corpus_lookup(plain_llm, corpus_llm):
     """Identical to plain decoding on all 24 prompts (12 whose answers the corpus holds,
     12 it does not), with the corpus's drafts verified and accepted."""
     llm, path = corpus_llm
-    m0 = spec_decode_counters(llm)
-    c = _greedy_sources(plain_llm, llm, path)
-    m1 = spec_decode_counters(llm)
-    accepted = m1["vllm:spec_decode_num_accepted_tokens"] - m0.get(
-        "vllm:spec_decode_num_accepted_tokens", 0)
+    c, accepted = _greedy_sources_accepted(plain_llm, llm, path)
     print(f"greedy with the corpus lookup: sources {c}; drafts accepted {accepted}")
     assert c.get("corpus_request_steps", 0) > 0 and c.get("corpus_drafts", 0) > 0, c
     assert accepted > c["corpus_drafts"] // 4, (accepted, c)
