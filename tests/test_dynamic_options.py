@@ -126,6 +126,13 @@ def test_batch_size_schedule_is_accepted(pair):
                  r"dspine_lookup_corpus'\] = '/x.npz' needs the lookup on", id="corpus-with-fixed"),
     pytest.param({"dspine_lookup_corpus": ""}, r"dspine_lookup_corpus'\] = ''",
                  id="corpus-empty-path"),
+    pytest.param({"dspine_lookup_corpus": "/no/such/corpus.npz"},
+                 r"dspine_lookup_corpus'\] = '/no/such/corpus.npz': no lookup corpus at "
+                 r"/no/such/corpus.npz; write one with `python -m vllm_dspine.train.lookup_corpus",
+                 id="corpus-missing-file"),
+    pytest.param({"dspine_lookup_corpus": True},
+                 r"dspine_lookup_corpus'\] = True: no lookup corpus at .*lookup_corpus.npz",
+                 id="corpus-true-without-the-drafters-file"),
 ])
 def test_bad_settings_are_refused(pair, extra, match):
     with pytest.raises(ValueError, match=match):
@@ -160,3 +167,20 @@ def test_hybrid_target_verifies_all_drafts():
     spec.num_speculative_tokens_per_batch_size = [[1, 8, 3]]
     with pytest.raises(ValueError, match=r"num_speculative_tokens_per_batch_size.*hybrid"):
         check_verification_options(spec, cfg, {})
+
+
+def test_a_lookup_corpus_that_is_not_one_is_refused_at_start(pair, tmp_path):
+    """A file that exists but holds no lookup corpus is named at start (front end),
+    with the command that writes one; a real one is accepted and kept in the options."""
+    import numpy as np
+
+    from vllm_dspine.model.lookup_corpus import write_lookup_corpus
+
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, tokens=np.zeros((2, 2), dtype=np.int64))
+    with pytest.raises(ValueError, match=r"bad.npz is not a DSpine lookup corpus.*lookup_corpus"):
+        _build(pair, {"dspine_lookup_corpus": str(bad)})
+    good = str(tmp_path / "good.npz")
+    write_lookup_corpus([np.array([1, 2, 3])], good)
+    _, config = _build(pair, {"dspine_lookup_corpus": good})
+    assert _options(config)["dspine_lookup_corpus"] == good

@@ -48,3 +48,20 @@ def read_lookup_corpus(path: str) -> np.ndarray:
                          f"or int32; write it again with `python -m "
                          f"vllm_dspine.train.lookup_corpus`")
     return tokens
+
+
+def resolve_lookup_corpus(given, draft_dir: str) -> str | None:
+    """The file `speculative_config['dspine_lookup_corpus']` asks for: None for false or
+    left out (the default), the drafter folder's file for true, else the path given;
+    refused by name where it is missing or not a lookup corpus (checked at start, in
+    the front end, before an engine is built)."""
+    if given is None or given is False:
+        return None
+    path = given if isinstance(given, str) else os.path.join(draft_dir, LOOKUP_CORPUS_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"speculative_config['dspine_lookup_corpus'] = {given!r}: no lookup corpus at "
+            f"{path}; write one with `python -m vllm_dspine.train.lookup_corpus --corpus "
+            f"CORPUS_DIR --out {path}` (docs/lookup.md), or remove the key")
+    read_lookup_corpus(path)
+    return path

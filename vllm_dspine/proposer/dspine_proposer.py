@@ -53,7 +53,8 @@ from vllm_dspine.kernels.tail import (SAMPLING_EPS, LastWriteInputs, TailTables,
                                       tail_score_tables)
 from vllm_dspine.proposer.calibration import draft_confidence
 from vllm_dspine.proposer.context_log import ContextLog
-from vllm_dspine.proposer.corpus_lookup import LOOKUP_CORPUS_FILE, CorpusIndex
+from vllm_dspine.model.lookup_corpus import resolve_lookup_corpus
+from vllm_dspine.proposer.corpus_lookup import CorpusIndex
 from vllm_dspine.proposer.dynamic import AT_CAP, GREEDY, LOOKUP, SAMPLED, DynamicVerifier
 from vllm_dspine.proposer.lookup import LookupBatch, PromptLookup, lookup_sparse_q
 from vllm_dspine.proposer.retrieval_head import RetrievalHead
@@ -158,16 +159,10 @@ class DSpineProposer(DFlashProposer):
         asked for: `dspine_lookup_corpus: true` reads the drafter folder's
         `lookup_corpus.npz`, a path names another file. (Off by default: measured on the
         SmolLM2 pair it did not pay at every setting, docs/lookup.md.)"""
-        given = self.options.get("dspine_lookup_corpus", False)
-        if given is False:
+        path = resolve_lookup_corpus(self.options.get("dspine_lookup_corpus"),
+                                     self.draft_model_config.model)
+        if path is None:
             return None
-        draft_dir = self.draft_model_config.model
-        path = given if isinstance(given, str) else os.path.join(draft_dir, LOOKUP_CORPUS_FILE)
-        if not os.path.isfile(path):
-            raise ValueError(
-                f"speculative_config['dspine_lookup_corpus'] = {given!r}: no lookup corpus "
-                f"at {path}; write one with `python -m vllm_dspine.train.lookup_corpus "
-                f"--corpus CORPUS_DIR --out {path}` (docs/lookup.md), or remove the key")
         index = CorpusIndex.load(path)
         logger.info("DSpine corpus lookup: %d tokens from %s", index.num_tokens, path)
         return index

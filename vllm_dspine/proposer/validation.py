@@ -12,6 +12,7 @@ import torch
 
 from vllm_dspine.config import DSpineConfig
 from vllm_dspine.hf_config import dspine_config_of
+from vllm_dspine.model.lookup_corpus import resolve_lookup_corpus
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 # What `dspine_verify: dynamic` (the default) takes when the keys are not given
@@ -62,6 +63,8 @@ def validate_dspine_speculative_config(spec_config, options: dict) -> DSpineConf
                          "engine per replica (e.g. with Ray Serve, docs/serving.md)")
     check_hybrid_target(target)
     draft_hf.dspine_options = check_verification_options(spec_config, cfg, options)
+    resolve_lookup_corpus(draft_hf.dspine_options.get("dspine_lookup_corpus"),
+                          spec_config.draft_model_config.model)
     draft_hf.dspine_folder = draft_folder_fingerprint(spec_config.draft_model_config.model)
     return cfg
 
