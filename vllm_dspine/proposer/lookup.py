@@ -42,7 +42,7 @@ WHERES = 3
 # 4-5, 6-7, 8, `_corpus_length_bin`).
 MATCH_LENGTHS = 5
 
-# The starting guesses of the lookup's calibrator: [where (IN_PROMPT, IN_ANSWER), match
+# The starting guesses of the lookup's calibrator: [where (IN_PROMPT, IN_ANSWER, IN_CORPUS), match
 # length 1..>=5, draft position group (draft 1, 2-3, 4-7, 8-15, 16-)], the acceptance of
 # a draft given the earlier ones were accepted, from the exact offline walk of the
 # lookup (docs/lookup.md "Where the match lies"): greedy verification accepts a draft iff
@@ -83,7 +83,7 @@ LOOKUP_START = np.array([
 # tokens, DSpine committed 1.84 tokens a step against 2.00 without the corpus
 # (docs/benchmarks.md `bench_e2e_corpus_c1`); on held-out answers a first draft from a
 # 2-token match was accepted 0.30 of the time, from 6-7 tokens 0.54 (`python
-# bench/corpus_walk.py --min-match 2`; the drafter's, served on chat: 0.48-0.57).
+# bench/corpus_walk.py --min-match 2`; the drafter's, served on chat: 0.45-0.57).
 CORPUS_MIN_MATCH = 6
 
 
@@ -168,9 +168,10 @@ class LookupBatch:
 class PromptLookup:
     """Per request, the lookup continuation of its context (prompt + output + the
     tokens this step committed), at most `cap` drafts; with a `corpus`, the corpus
-    lookup's continuation where the context has none, or where the corpus matches its
-    longest suffix (`corpus_lookup.MAX_N` tokens: on held-out answers such a match's
-    drafts were accepted more often than the context's, docs/lookup.md)."""
+    lookup's continuation (from a CORPUS_MIN_MATCH-token match) where the context has
+    none, or where the corpus matches its longest suffix (`corpus_lookup.MAX_N` tokens,
+    the corpus's most accepted bin in bench/corpus_walk.py; this order was not compared
+    served with others, docs/lookup.md)."""
 
     def __init__(self, min_n: int, max_n: int, num_proposals: int,
                  corpus: CorpusIndex | None = None) -> None:
