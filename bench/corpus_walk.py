@@ -26,7 +26,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vllm_dspine.proposer.corpus_lookup import MAX_N, CorpusIndex, write_lookup_corpus  # noqa: E402
+from vllm_dspine.model.lookup_corpus import write_lookup_corpus  # noqa: E402
+from vllm_dspine.proposer.corpus_lookup import MAX_N, CorpusIndex  # noqa: E402
 from vllm_dspine.proposer.lookup import (  # noqa: E402
     CORPUS_MIN_MATCH,
     _corpus_length_bin,
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
     held = Corpus(args.corpus, names[-1:])
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "lookup_corpus.npz")
-        rec = write_lookup_corpus([s[a:] for s, a in zip(train.sequences, train.answer_start)], path)
+        rec = write_lookup_corpus(train.answers(), path)
         t0 = time.time()
         index = CorpusIndex.load(path)
         build_s = time.time() - t0

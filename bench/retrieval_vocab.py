@@ -48,7 +48,7 @@ def main() -> int:
     head = target.lm_head.weight.detach().float()
     V = head.shape[0]
     ho, hf, _, _ = load_corpus_data(args.held_out, args.held_out_store)
-    answers = [s[a:] for s, a in zip(ho.sequences, ho.answer_start)]
+    answers = ho.answers()
     corpus_ids = Corpus(args.corpus).token_ids()
     vocabs = {"its own retrieval_vocab": torch.tensor(cfg.retrieval_vocab, dtype=torch.long),
               "every id of the corpus": torch.from_numpy(corpus_ids),

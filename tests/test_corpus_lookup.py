@@ -10,13 +10,8 @@ import collections
 import numpy as np
 import pytest
 
-from vllm_dspine.proposer.corpus_lookup import (
-    MAX_N,
-    MAX_VOTERS,
-    MIN_N,
-    CorpusIndex,
-    write_lookup_corpus,
-)
+from vllm_dspine.model.lookup_corpus import write_lookup_corpus
+from vllm_dspine.proposer.corpus_lookup import MAX_N, MAX_VOTERS, MIN_N, CorpusIndex
 from vllm_dspine.proposer.lookup import (
     CORPUS_MIN_MATCH,
     IN_ANSWER,

@@ -240,7 +240,7 @@ def corpus_path(plain_llm, tmp_path_factory):
     import numpy as np
     from vllm import SamplingParams, TokensPrompt
 
-    from vllm_dspine.proposer.corpus_lookup import write_lookup_corpus
+    from vllm_dspine.model.lookup_corpus import write_lookup_corpus
 
     prompts = prompts_of_lengths(24)[:12]
     outs = plain_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64,

@@ -319,7 +319,7 @@ def test_general_command_trains_exports_and_continues(corpus_dir, pair, tmp_path
     from vllm_dspine.proposer.corpus_lookup import CorpusIndex
 
     corpus = C.Corpus(corpus_dir)
-    answers = [s_[a:] for s_, a in zip(corpus.sequences, corpus.answer_start)]
+    answers = corpus.answers()
     assert CorpusIndex.load(os.path.join(out1, "lookup_corpus.npz")).num_tokens == \
         sum(map(len, answers)) == corpus.answer_tokens()
     assert CorpusIndex.load(os.path.join(out2, "lookup_corpus.npz")).num_tokens == \

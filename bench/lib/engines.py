@@ -84,10 +84,7 @@ def spec_of(method: str, pair: str) -> dict | None:
     if method == "dspine-corpus":
         # dspine-lookup-fair with the corpus lookup (the drafter folder's
         # lookup_corpus.npz, docs/lookup.md "The corpus lookup").
-        return {"method": "dspine", "model": draft, "num_speculative_tokens": K,
-                "dspine_verify": "dynamic", "dspine_lookup": True,
-                "dspine_lookup_min": 2, "dspine_lookup_max": 4,
-                "dspine_verify_objective": "fair", "dspine_lookup_corpus": True}
+        return {**spec_of("dspine-lookup-fair", pair), "dspine_lookup_corpus": True}
     if method == "dspine-fair":
         # dspine-dynamic with lengths chosen by the requests' log-rates, no lookup.
         return {"method": "dspine", "model": draft, "num_speculative_tokens": K,

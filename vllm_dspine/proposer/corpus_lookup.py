@@ -28,11 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_dspine.model.lookup_corpus import (  # noqa: F401 (the format, re-exported)
-    LOOKUP_CORPUS_FILE,
-    read_lookup_corpus,
-    write_lookup_corpus,
-)
+from vllm_dspine.model.lookup_corpus import read_lookup_corpus
 
 # The longest suffix matched, and the shortest a continuation is proposed for.
 MAX_N, MIN_N = 8, 2
@@ -101,11 +97,18 @@ class CorpusIndex:
     def continuation(self, context: np.ndarray, k: int, min_n: int = MIN_N
                      ) -> tuple[np.ndarray, int]:
         """(at most k drafts, the match length) for the longest suffix match of at least
-        `min_n` tokens; (empty, 0) without one. Each draft is the token most of the
-        occurrences that agreed so far have next (ties: the smaller id)."""
+        `min_n` tokens; (empty, 0) without one: `match`, then `vote`."""
         n, lo, hi = self.match(context)
-        if n < max(min_n, MIN_N) or k <= 0:
+        if n < max(min_n, MIN_N):
             return np.zeros(0, dtype=np.int64), 0
+        return self.vote(lo, hi, k), n
+
+    def vote(self, lo: int, hi: int, k: int) -> np.ndarray:
+        """At most k drafts continuing the sorted positions lo..hi (a `match` range):
+        each the token most of the occurrences that agreed so far have next (ties: the
+        smaller id), over at most MAX_VOTERS of them."""
+        if k <= 0:
+            return np.zeros(0, dtype=np.int64)
         count = hi - lo
         pick = lo + (np.arange(MAX_VOTERS) * count) // MAX_VOTERS if count > MAX_VOTERS \
             else np.arange(lo, hi)
@@ -122,4 +125,4 @@ class CorpusIndex:
                 break
             out.append(int(tok))
             at = at[nxt == tok]
-        return np.asarray(out, dtype=np.int64), n
+        return np.asarray(out, dtype=np.int64)

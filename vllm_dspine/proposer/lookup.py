@@ -200,9 +200,12 @@ class PromptLookup:
             start = int(ctx.shape[0]) - int(rest.shape[0])
             where = IN_PROMPT if start < int(prompt_lens[i]) else IN_ANSWER
             if self.corpus is not None:
-                found, cm = self.corpus.continuation(ctx, cap, CORPUS_MIN_MATCH)
-                if found.shape[0] and (cm >= CORPUS_MAX_N or rest.shape[0] == 0):
-                    rest, m, where = found, cm, IN_CORPUS
+                # Matched for every request (microseconds); voted only where taken.
+                cm, lo, hi = self.corpus.match(ctx)
+                if cm >= CORPUS_MIN_MATCH and (cm >= CORPUS_MAX_N or rest.shape[0] == 0):
+                    found = self.corpus.vote(lo, hi, cap)
+                    if found.shape[0]:
+                        rest, m, where = found, cm, IN_CORPUS
             n = min(cap, int(rest.shape[0]))
             if n <= 0:
                 continue

@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg, {k: v.float() for k, v in bf16.items()}, embed, head, vocab, ho, hf,
             args.held_out_seqs)
         stage["held_out"]["vocab_coverage"] = covered_share(
-            [s[a:] for s, a in zip(ho.sequences, ho.answer_start)], vocab, tcfg.vocab_size)
+            ho.answers(), vocab, tcfg.vocab_size)
         _log(f"held out: {json.dumps(stage['held_out'])}")
     if os.path.exists(os.path.join(train_dir, "loss.png")):  # none after --steps 0
         shutil.copyfile(os.path.join(train_dir, "loss.png"), os.path.join(out, "loss.png"))
@@ -382,8 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         # answers, beside the drafter that learned them (copied when packed).
         from vllm_dspine.model.lookup_corpus import LOOKUP_CORPUS_FILE, write_lookup_corpus
 
-        lc = write_lookup_corpus([s[a:] for s, a in zip(corpus.sequences, corpus.answer_start)],
-                                 os.path.join(out, LOOKUP_CORPUS_FILE))
+        lc = write_lookup_corpus(corpus.answers(), os.path.join(out, LOOKUP_CORPUS_FILE))
         _log(f"lookup corpus: {lc}")
     if args.out_packed:
         # The rows training moved (every token of the corpus read, the loss vocabulary)

@@ -87,6 +87,10 @@ class Corpus:
     def __len__(self) -> int:
         return len(self.sequences)
 
+    def answers(self) -> list[np.ndarray]:
+        """Each sequence's answer (its tokens from `answer_start` on)."""
+        return [s[a:] for s, a in zip(self.sequences, self.answer_start)]
+
     def answer_tokens(self) -> int:
         return int(sum(len(s) - a for s, a in zip(self.sequences, self.answer_start)))
 
@@ -140,7 +144,7 @@ def coverage_growth(folder: str, held_out: str, vocab_size: int,
     held-out answer tokens they cover, and the same for the `coverage` loss vocabulary
     the trainer would choose (`python -m vllm_dspine.train --vocab-coverage`)."""
     held = Corpus(held_out)
-    held_answers = [s[a:] for s, a in zip(held.sequences, held.answer_start)]
+    held_answers = held.answers()
     rows, seqs, answer_tokens = [], [], 0
     for n, shard in enumerate(read_manifest(folder)["shards"], start=1):
         c = Corpus(folder, [shard["file"]])  # each shard read once, the prefix grows

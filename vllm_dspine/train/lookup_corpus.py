@@ -1,7 +1,8 @@
 """Write a drafter's lookup corpus: the target's answers of a distillation corpus, as the
 corpus lookup serves them (`proposer/corpus_lookup.py`, docs/lookup.md "The corpus
-lookup"). Put it in the drafter folder as `lookup_corpus.npz` and DSpine uses it by
-default; the prompts are left out (the lookup copies what the target writes).
+lookup"). Put it in the drafter folder as `lookup_corpus.npz` for
+`"dspine_lookup_corpus": true` (the lookup is off by default); the prompts are left out
+(the lookup copies what the target writes).
 
     python -m vllm_dspine.train.lookup_corpus --corpus data/corpus/smollm2 \\
         --out vllm_dspine/pairs/drafters/smollm2/lookup_corpus.npz
@@ -23,8 +24,7 @@ def write_from_corpus(corpus_dir: str, out: str, shards: int | None = None) -> d
         raise ValueError(f"{corpus_dir} holds no corpus shards (manifest.json lists none); "
                          f"grow one with `python -m vllm_dspine.train.corpus` (docs/training.md)")
     corpus = Corpus(corpus_dir, names)
-    answers = [s[a:] for s, a in zip(corpus.sequences, corpus.answer_start)]
-    record = write_lookup_corpus(answers, out)
+    record = write_lookup_corpus(corpus.answers(), out)
     record["shards"] = names
     return record
 
