@@ -11,6 +11,11 @@ docs/verify.md and docs/kernels.md come from this script):
   3. top-k/top-p of verified draft rows at vocabulary 49,152: vLLM's
      `apply_top_k_top_p_pytorch` against `apply_top_k_top_p_values_sorted`
      (verify/top_k_top_p.py), which returns the same tensor.
+  4. the whole verification sampler of a step (`SparseRejectionSampler`) at
+     temperature 0.7 / top-p 0.95, vocabulary 49,152, R requests of which d verify one
+     draft each: the exponentials of the recovered tokens drawn for every request (vLLM's
+     order, `generate_inv_exp`) against the drafted requests only
+     (`generate_inv_exp_drafted`, what serving runs). d = 0 is plain decoding's path.
 
 Sizes are interleaved round by round and the median taken (this machine's speed drifts).
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import pathlib
 import statistics
 import sys
@@ -108,6 +114,61 @@ def top_p_rows(rounds: int, sizes: list[int]) -> dict[int, tuple[float, float]]:
     return {R: (_median_ms(a), _median_ms(b)) for R, (a, b) in times.items()}
 
 
+def sampler_steps(rounds: int, cases: list[tuple[int, int]]
+                  ) -> dict[tuple[int, int], tuple[float, float]]:
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    import vllm_dspine.verify.sampler as sampler_module
+    from vllm_dspine.verify.sparse_rejection_ref import (
+        generate_inv_exp,
+        generate_inv_exp_drafted,
+    )
+
+    vocab = 49152
+    g = torch.Generator().manual_seed(3)
+    sampler = sampler_module.SparseRejectionSampler(Sampler())
+    times = {c: ([], []) for c in cases}
+    for _ in range(rounds):
+        for R, d in cases:
+            num_draft = [1] * d + [0] * (R - d)
+            # Rows: each request's drafts, then its bonus row (vLLM's layout).
+            target = [i * 2 for i in range(d)]
+            bonus = [i * 2 + 1 for i in range(d)] + list(range(2 * d, d + R))
+            meta = SpecDecodeMetadata(
+                draft_token_ids=torch.randint(vocab, (d,), generator=g, dtype=torch.int32),
+                num_draft_tokens=num_draft,
+                cu_num_draft_tokens=torch.tensor(num_draft).cumsum(0).to(torch.int32),
+                cu_num_sampled_tokens=torch.tensor([n + 1 for n in num_draft]).cumsum(0)
+                .to(torch.int32),
+                target_logits_indices=torch.tensor(target, dtype=torch.int32),
+                bonus_logits_indices=torch.tensor(bonus, dtype=torch.int32),
+                logits_indices=torch.arange(d + R, dtype=torch.int32))
+            sm = SamplingMetadata(
+                temperature=torch.full((R,), 0.7), all_greedy=False, all_random=True,
+                top_p=torch.full((R,), 0.95), top_k=None, generators={},
+                max_num_logprobs=None, no_penalties=True, prompt_token_ids=None,
+                frequency_penalties=torch.zeros(R), presence_penalties=torch.zeros(R),
+                repetition_penalties=torch.ones(R),
+                output_token_ids=[[] for _ in range(R)], allowed_token_ids_mask=None,
+                bad_words_token_ids={}, logitsprocs=LogitsProcessors(),
+                spec_token_ids=[[0] * n for n in num_draft])
+            logits = torch.randn(d + R, vocab, generator=g) * 3
+            cand_ids = torch.stack([torch.randperm(vocab, generator=g)[:16]
+                                    for _ in range(d)]) if d else torch.zeros(0, 16).long()
+            cand_probs = torch.full((d, 16), 1 / 16)
+            for i, draw in enumerate((generate_inv_exp, generate_inv_exp_drafted)):
+                sampler_module.generate_inv_exp_drafted = draw
+                x = logits.clone()
+                t0 = time.perf_counter()
+                sampler(meta, cand_ids, cand_probs, x, sm)
+                times[(R, d)][i].append(time.perf_counter() - t0)
+    sampler_module.generate_inv_exp_drafted = generate_inv_exp_drafted
+    return {c: (_median_ms(a), _median_ms(b)) for c, (a, b) in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=15)
@@ -123,10 +184,13 @@ def main() -> None:
     layers = target_layers(args.rounds, layer_sizes)
     head = retrieval_head(args.rounds * 4, [1, 2, 3, 5, 16])
     top_p = top_p_rows(max(3, args.rounds // 3), [1, 4, 16])
+    steps = sampler_steps(max(3, args.rounds // 3),
+                          [(8, 0), (8, 1), (8, 2), (32, 0), (32, 1), (32, 4)])
+    cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
     out = [f"### CPU operations of a DSpine step (bench/bench_cpu_ops.py), "
            f"{datetime.date.today().isoformat()}\n",
            f"Machine: {machine()}; torch {torch.__version__}, one thread, fp32. Command: "
-           f"`OMP_NUM_THREADS=1 taskset -c 0 python bench/bench_cpu_ops.py "
+           f"`OMP_NUM_THREADS=1 taskset -c {cores} python bench/bench_cpu_ops.py "
            f"{' '.join(sys.argv[1:])}`. Medians of {args.rounds} interleaved rounds "
            f"(retrieval: {args.rounds * 4}, top-p: {max(3, args.rounds // 3)}). "
            f"Wall {time.time() - t0:.0f} s.\n",
@@ -144,6 +208,15 @@ def main() -> None:
             "| rows | vLLM apply_top_k_top_p_pytorch | apply_top_k_top_p_values_sorted | ratio |",
             "| ---: | ---: | ---: | ---: |"]
     out += [f"| {R} | {a:.1f} | {b:.1f} | {a / b:.1f}x |" for R, (a, b) in top_p.items()]
+    out += ["", "The verification sampler of one step (`SparseRejectionSampler`, bonus rows "
+            "through vLLM's sampler as in plain decoding), temperature 0.7, top-p 0.95, "
+            "vocabulary 49,152: R requests, d of them verifying one draft; the exponentials "
+            "of the recovered tokens drawn for all R requests (vLLM's order) or for the d "
+            "drafted ones (serving), ms:\n",
+            "| R | d | exponentials for all R | for the d drafted | ratio |",
+            "| ---: | ---: | ---: | ---: | ---: |"]
+    out += [f"| {R} | {d} | {a:.1f} | {b:.1f} | {a / b:.2f}x |"
+            for (R, d), (a, b) in steps.items()]
     body = "\n".join(out) + "\n"
     print(body)
     if not args.no_doc:

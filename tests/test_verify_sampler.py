@@ -24,12 +24,20 @@ from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
+import vllm_dspine.verify.sampler as sampler_module
 from vllm_dspine.verify import SparseDraftProbs, SparseRejectionSampler
+from vllm_dspine.verify.sparse_rejection_ref import (
+    generate_inv_exp,
+    generate_inv_exp_drafted,
+)
 from vllm_dspine.verify.sampler import (
     apply_draft_sampling_constraints,
     apply_logit_bias_to_drafts,
 )
 from vllm_dspine.verify.synthetic import sample_from_sparse, sparse_q_near
+
+
+CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -123,6 +131,9 @@ CASES = [
 @pytest.mark.parametrize("opts", CASES)
 def test_matches_vllm_rejection_sampler(opts, monkeypatch):
     monkeypatch.setattr(vllm_rs, "expand_batch_to_tokens", _expand_fixed)
+    # Token for token needs vLLM's draws of the global RNG: serving draws the
+    # exponentials of drafted requests only (test_exponentials_only_for_drafted_rows).
+    monkeypatch.setattr(sampler_module, "generate_inv_exp_drafted", generate_inv_exp)
     # vLLM's logprob ranks go through torch.compile (~50 s to compile here); eager
     # gives the same numbers.
     with torch._dynamo.config.patch(disable=True):
@@ -358,3 +369,52 @@ def test_step_without_any_draft(top_p):
     torch.manual_seed(0)
     want = Sampler()(logits.clone(), sm, predict_bonus_token=True).sampled_token_ids
     assert torch.equal(out.sampled_token_ids, want.to(out.sampled_token_ids.dtype))
+
+
+def test_exponentials_only_for_drafted_rows(monkeypatch):
+    """Serving draws a request's exponentials (its recovered token's noise) only when it
+    has drafts: rows of requests without drafts hold 1.0 and cost no draws; seeded rows
+    are the ones vLLM's order gives (the same stream, so the same text for a seed);
+    unseeded rows are Exponential(1) reciprocals. Then through the sampler: with every
+    drafted random request seeded the tokens are vLLM's, token for token."""
+    num_draft_tokens = [3, 0, 2, 0, 1]
+    gens = {0: torch.Generator().manual_seed(5), 1: torch.Generator().manual_seed(6)}
+    want = generate_inv_exp(num_draft_tokens, 50, {
+        i: torch.Generator().manual_seed(s) for i, s in ((0, 5), (1, 6))}, CPU)
+    got = generate_inv_exp_drafted(num_draft_tokens, 50, gens, CPU)
+    assert torch.equal(got[0], want[0])  # seeded, drafted: vLLM's row
+    assert torch.equal(got[[1, 3]], torch.ones(2, 50))  # no drafts: not drawn
+    assert gens[1].initial_seed() == 6 and torch.equal(  # seeded without drafts:
+        gens[1].get_state(), torch.Generator().manual_seed(6).get_state())  # untouched
+    # Unseeded drafted rows: 1 / Exponential(1). Over 200,000 draws the mean of
+    # exp(-1/x) (uniform on (0, 1) for an Exponential(1) x) has standard error
+    # 0.29 / sqrt(200,000) = 0.00065: 0.005 is ~8 of them, while a rate-1.01
+    # exponential (a 1 % error) moves the mean by 0.0025 and a wrong law by far more.
+    torch.manual_seed(0)
+    many = generate_inv_exp_drafted([1, 0], 200_000, {}, CPU)
+    u = torch.exp(-1.0 / many[0].double())
+    assert abs(u.mean().item() - 0.5) < 0.005
+    assert abs((u < 0.1).double().mean().item() - 0.1) < 0.005  # the lower tail too
+
+    monkeypatch.setattr(vllm_rs, "expand_batch_to_tokens", _expand_fixed)
+    num_draft_tokens = [15, 0, 4, 0, 7]
+    vocab_size = 300
+    logits, meta, drafts, q = _batch(num_draft_tokens, vocab_size, seed=3)
+    num_rejections = 0
+    for trial in range(6):
+        outs = []
+        for sampler, draft_args in ((vllm_rs.RejectionSampler(Sampler()),
+                                     (q.to_dense(vocab_size),)),
+                                    (SparseRejectionSampler(Sampler()),
+                                     (q.cand_ids, q.cand_probs))):
+            torch.manual_seed(trial)
+            gens = {i: torch.Generator().manual_seed(31 * trial + i)
+                    for i in (0, 2, 4)}  # every drafted request seeded
+            sm = _sampling_metadata([0.7, 1.0, 1.3, 0.5, 1.0], vocab_size, gens,
+                                    drafts=drafts)
+            outs.append(sampler(meta, *draft_args, logits.clone(), sm))
+        want_out, got_out = outs
+        assert torch.equal(got_out.sampled_token_ids, want_out.sampled_token_ids), trial
+        emitted = (got_out.sampled_token_ids >= 0).sum(dim=1)
+        num_rejections += int((emitted <= torch.tensor(num_draft_tokens))[[0, 2, 4]].sum())
+    assert num_rejections >= 3  # recovered tokens (the exponentials) were compared

@@ -41,7 +41,7 @@ from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from vllm_dspine.verify.sparse_rejection import sparse_rejection_sample
 from vllm_dspine.verify.top_k_top_p import apply_top_k_top_p_values_sorted
 from vllm_dspine.verify.sparse_rejection_ref import (
-    generate_inv_exp,
+    generate_inv_exp_drafted,
     generate_uniform_probs,
 )
 
@@ -249,7 +249,8 @@ class SparseRejectionSampler(RejectionSampler):
         sampling_metadata: SamplingMetadata,
     ) -> torch.Tensor:
         """Randomness drawn in vLLM's `rejection_sample` order: uniforms, then the
-        per-request exponentials."""
+        per-request exponentials, these only for requests with drafts
+        (`generate_inv_exp_drafted`)."""
         device = target_logits.device
         num_tokens, vocab_size = target_logits.shape
         num_draft_tokens = metadata.num_draft_tokens
@@ -275,7 +276,8 @@ class SparseRejectionSampler(RejectionSampler):
             num_tokens, num_draft_tokens, sampling_metadata.generators, device
         )
         target_probs = target_logits.softmax(dim=-1, dtype=torch.float32)
-        inv_exp = generate_inv_exp(
+        # Rows only for requests with drafts (the others cannot reject).
+        inv_exp = generate_inv_exp_drafted(
             num_draft_tokens, vocab_size, sampling_metadata.generators, device,
             torch.float64 if self.use_fp64_gumbel else torch.float32,
         )
