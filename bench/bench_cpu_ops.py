@@ -14,8 +14,8 @@ docs/verify.md and docs/kernels.md come from this script):
   4. the whole verification sampler of a step (`SparseRejectionSampler`) at
      temperature 0.7 / top-p 0.95, vocabulary 49,152, R requests of which d verify one
      draft each: the exponentials of the recovered tokens drawn for every request (vLLM's
-     order, `generate_inv_exp`) against the drafted requests only
-     (`generate_inv_exp_drafted`, what serving runs). d = 0 is plain decoding's path.
+     order) against the drafted requests only (`generate_inv_exp(...,
+     drafted_only=True)`, what serving runs). d = 0 is plain decoding's path.
 
 Sizes are interleaved round by round and the median taken (this machine's speed drifts).
 
@@ -121,15 +121,12 @@ def sampler_steps(rounds: int, cases: list[tuple[int, int]]
     from vllm.v1.sample.sampler import Sampler
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-    import vllm_dspine.verify.sampler as sampler_module
-    from vllm_dspine.verify.sparse_rejection_ref import (
-        generate_inv_exp,
-        generate_inv_exp_drafted,
-    )
+    from vllm_dspine.verify.sampler import SparseRejectionSampler
 
     vocab = 49152
     g = torch.Generator().manual_seed(3)
-    sampler = sampler_module.SparseRejectionSampler(Sampler())
+    samplers = (SparseRejectionSampler(Sampler()), SparseRejectionSampler(Sampler()))
+    samplers[0].drafted_only_exponentials = False  # vLLM's order: every row
     times = {c: ([], []) for c in cases}
     for _ in range(rounds):
         for R, d in cases:
@@ -159,13 +156,11 @@ def sampler_steps(rounds: int, cases: list[tuple[int, int]]
             cand_ids = torch.stack([torch.randperm(vocab, generator=g)[:16]
                                     for _ in range(d)]) if d else torch.zeros(0, 16).long()
             cand_probs = torch.full((d, 16), 1 / 16)
-            for i, draw in enumerate((generate_inv_exp, generate_inv_exp_drafted)):
-                sampler_module.generate_inv_exp_drafted = draw
+            for i, sampler in enumerate(samplers):
                 x = logits.clone()
                 t0 = time.perf_counter()
                 sampler(meta, cand_ids, cand_probs, x, sm)
                 times[(R, d)][i].append(time.perf_counter() - t0)
-    sampler_module.generate_inv_exp_drafted = generate_inv_exp_drafted
     return {c: (_median_ms(a), _median_ms(b)) for c, (a, b) in times.items()}
 
 

@@ -24,12 +24,8 @@ from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-import vllm_dspine.verify.sampler as sampler_module
 from vllm_dspine.verify import SparseDraftProbs, SparseRejectionSampler
-from vllm_dspine.verify.sparse_rejection_ref import (
-    generate_inv_exp,
-    generate_inv_exp_drafted,
-)
+from vllm_dspine.verify.sparse_rejection_ref import generate_inv_exp
 from vllm_dspine.verify.sampler import (
     apply_draft_sampling_constraints,
     apply_logit_bias_to_drafts,
@@ -133,7 +129,7 @@ def test_matches_vllm_rejection_sampler(opts, monkeypatch):
     monkeypatch.setattr(vllm_rs, "expand_batch_to_tokens", _expand_fixed)
     # Token for token needs vLLM's draws of the global RNG: serving draws the
     # exponentials of drafted requests only (test_exponentials_only_for_drafted_rows).
-    monkeypatch.setattr(sampler_module, "generate_inv_exp_drafted", generate_inv_exp)
+    monkeypatch.setattr(SparseRejectionSampler, "drafted_only_exponentials", False)
     # vLLM's logprob ranks go through torch.compile (~50 s to compile here); eager
     # gives the same numbers.
     with torch._dynamo.config.patch(disable=True):
@@ -381,7 +377,7 @@ def test_exponentials_only_for_drafted_rows(monkeypatch):
     gens = {0: torch.Generator().manual_seed(5), 1: torch.Generator().manual_seed(6)}
     want = generate_inv_exp(num_draft_tokens, 50, {
         i: torch.Generator().manual_seed(s) for i, s in ((0, 5), (1, 6))}, CPU)
-    got = generate_inv_exp_drafted(num_draft_tokens, 50, gens, CPU)
+    got = generate_inv_exp(num_draft_tokens, 50, gens, CPU, drafted_only=True)
     assert torch.equal(got[0], want[0])  # seeded, drafted: vLLM's row
     assert torch.equal(got[[1, 3]], torch.ones(2, 50))  # no drafts: not drawn
     assert gens[1].initial_seed() == 6 and torch.equal(  # seeded without drafts:
@@ -391,7 +387,7 @@ def test_exponentials_only_for_drafted_rows(monkeypatch):
     # 0.29 / sqrt(200,000) = 0.00065: 0.005 is ~8 of them, while a rate-1.01
     # exponential (a 1 % error) moves the mean by 0.0025 and a wrong law by far more.
     torch.manual_seed(0)
-    many = generate_inv_exp_drafted([1, 0], 200_000, {}, CPU)
+    many = generate_inv_exp([1, 0], 200_000, {}, CPU, drafted_only=True)
     u = torch.exp(-1.0 / many[0].double())
     assert abs(u.mean().item() - 0.5) < 0.005
     assert abs((u < 0.1).double().mean().item() - 0.1) < 0.005  # the lower tail too

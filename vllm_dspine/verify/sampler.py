@@ -41,7 +41,7 @@ from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from vllm_dspine.verify.sparse_rejection import sparse_rejection_sample
 from vllm_dspine.verify.top_k_top_p import apply_top_k_top_p_values_sorted
 from vllm_dspine.verify.sparse_rejection_ref import (
-    generate_inv_exp_drafted,
+    generate_inv_exp,
     generate_uniform_probs,
 )
 
@@ -166,6 +166,10 @@ def samples_as_plain_decoding(metadata: SpecDecodeMetadata,
 class SparseRejectionSampler(RejectionSampler):
     """vLLM's `RejectionSampler` verifying against a sparse (top-k) draft q."""
 
+    # The recovered tokens' exponentials for requests with drafts only (docs/verify.md);
+    # False draws vLLM's every row, for comparing with vLLM token for token.
+    drafted_only_exponentials = True
+
     def forward(  # type: ignore[override]
         self,
         metadata: SpecDecodeMetadata,
@@ -250,7 +254,7 @@ class SparseRejectionSampler(RejectionSampler):
     ) -> torch.Tensor:
         """Randomness drawn in vLLM's `rejection_sample` order: uniforms, then the
         per-request exponentials, these only for requests with drafts
-        (`generate_inv_exp_drafted`)."""
+        (`generate_inv_exp(..., drafted_only=True)`)."""
         device = target_logits.device
         num_tokens, vocab_size = target_logits.shape
         num_draft_tokens = metadata.num_draft_tokens
@@ -277,9 +281,10 @@ class SparseRejectionSampler(RejectionSampler):
         )
         target_probs = target_logits.softmax(dim=-1, dtype=torch.float32)
         # Rows only for requests with drafts (the others cannot reject).
-        inv_exp = generate_inv_exp_drafted(
+        inv_exp = generate_inv_exp(
             num_draft_tokens, vocab_size, sampling_metadata.generators, device,
             torch.float64 if self.use_fp64_gumbel else torch.float32,
+            drafted_only=self.drafted_only_exponentials,
         )
         return sparse_rejection_sample(
             metadata.draft_token_ids, num_draft_tokens, metadata.max_spec_len,

@@ -65,51 +65,37 @@ def generate_inv_exp(
     generators: dict[int, torch.Generator],
     device: torch.device,
     dtype: torch.dtype = torch.float32,
+    drafted_only: bool = False,
 ) -> torch.Tensor:
     """1 / Exponential(1) samples, [num_reqs, vocab_size], drawn as vLLM 0.32.0's
     `sample_recovered_tokens` draws its `inv_q`: one batch draw from the global RNG,
     then each seeded request with at least one draft redraws its own row.
 
     dtype: float32, or float64 where vLLM's sampler uses fp64 Gumbel noise.
+
+    drafted_only (what serving runs): rows only where they can be read. A request with
+    no draft never has a recovered token, so its row holds 1.0 and costs no draws; vLLM
+    draws every row (~0.93 ms a row at 49,152 ids on this project's CPU,
+    bench_cpu_ops), which at temperature 0.7 and concurrency 8 made any step with one
+    draft pay 7.4 ms. Seeded requests with drafts draw their row from their own
+    generator as above (the same stream, so the same text for a seed); the unseeded
+    ones take one global draw of just their rows. Every row has the same law
+    (independent Exponential(1) draws); what changes is how much of the global RNG a
+    step consumes, so unseeded tokens are not bitwise vLLM's for the same global seed
+    (the default keeps vLLM's order for the tests that compare token for token).
     """
     num_reqs = len(num_draft_tokens)
-    exp = torch.empty((num_reqs, vocab_size), dtype=dtype, device=device)
-    exp.exponential_()
-    for req_idx, generator in generators.items():
-        if num_draft_tokens[req_idx] > 0:
-            exp[req_idx].exponential_(generator=generator)
-    return exp.reciprocal()
-
-
-def generate_inv_exp_drafted(
-    num_draft_tokens: list[int],
-    vocab_size: int,
-    generators: dict[int, torch.Generator],
-    device: torch.device,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """`generate_inv_exp` for serving: [num_reqs, vocab_size], drawn only where a row
-    can be read. A request with no draft never has a recovered token, so its row holds
-    1.0 and costs no draws; vLLM draws every row (one Exponential(1) per request and
-    vocab id, ~0.93 ms a row at 49,152 ids on this project's CPU, bench_cpu_ops), which
-    at temperature 0.7 and concurrency 8 made any step with one draft pay 7.4 ms.
-
-    Seeded requests with drafts draw their row from their own generator exactly as
-    `generate_inv_exp` does (the same stream, so the same text for a seed); the
-    unseeded ones take one global draw of just their rows. The distribution of every
-    row is unchanged (independent Exponential(1) draws); what changes is how much of
-    the global RNG a step consumes, so unseeded tokens are not bitwise vLLM's for the
-    same global seed (`generate_inv_exp` keeps that order for the tests that compare
-    with vLLM token for token)."""
-    num_reqs = len(num_draft_tokens)
-    exp = torch.ones((num_reqs, vocab_size), dtype=dtype, device=device)
-    unseeded = [i for i, n in enumerate(num_draft_tokens) if n > 0 and i not in generators]
-    if unseeded:
-        # E.g. num_draft_tokens [2, 0, 3], no seeds -> rows 0 and 2 drawn, row 1 = 1.0.
-        rows = torch.tensor(unseeded, dtype=torch.long, device=device)
-        exp[rows] = torch.empty(
-            (len(unseeded), vocab_size), dtype=dtype, device=device
-        ).exponential_()
+    if drafted_only:
+        exp = torch.ones((num_reqs, vocab_size), dtype=dtype, device=device)
+        unseeded = [i for i, n in enumerate(num_draft_tokens)
+                    if n > 0 and i not in generators]
+        if unseeded:
+            # E.g. num_draft_tokens [2, 0, 3], no seeds -> rows 0 and 2 drawn, row 1 = 1.
+            exp[torch.tensor(unseeded, dtype=torch.long, device=device)] = torch.empty(
+                (len(unseeded), vocab_size), dtype=dtype, device=device).exponential_()
+    else:
+        exp = torch.empty((num_reqs, vocab_size), dtype=dtype, device=device)
+        exp.exponential_()
     for req_idx, generator in generators.items():
         if num_draft_tokens[req_idx] > 0:
             exp[req_idx].exponential_(generator=generator)
