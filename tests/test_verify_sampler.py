@@ -25,11 +25,11 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
 from vllm_dspine.verify import SparseDraftProbs, SparseRejectionSampler
-from vllm_dspine.verify.sparse_rejection_ref import generate_inv_exp
 from vllm_dspine.verify.sampler import (
     apply_draft_sampling_constraints,
     apply_logit_bias_to_drafts,
 )
+from vllm_dspine.verify.sparse_rejection_ref import generate_inv_exp
 from vllm_dspine.verify.synthetic import sample_from_sparse, sparse_q_near
 
 

@@ -51,9 +51,9 @@ from vllm_dspine.step_profile import profile, timed
 from vllm_dspine.kernels.tail import (SAMPLING_EPS, LastWriteInputs, TailTables, TailWeights,
                                       continuous_score_tables, serial_tail,
                                       tail_score_tables)
+from vllm_dspine.model.lookup_corpus import resolve_lookup_corpus
 from vllm_dspine.proposer.calibration import draft_confidence
 from vllm_dspine.proposer.context_log import ContextLog
-from vllm_dspine.model.lookup_corpus import resolve_lookup_corpus
 from vllm_dspine.proposer.corpus_lookup import CorpusIndex
 from vllm_dspine.proposer.dynamic import AT_CAP, GREEDY, LOOKUP, SAMPLED, DynamicVerifier
 from vllm_dspine.proposer.lookup import LookupBatch, PromptLookup, lookup_sparse_q
