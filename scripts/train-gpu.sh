@@ -26,7 +26,10 @@
 # vllm_dspine/pairs/drafters/smollm2, the committed drafter, of 3 layers, so not with
 # another LAYERS; default a new drafter from the target's layers), WORK (the working folder, default /tmp/dspine-gpu; a target,
 # corpus, feature store or training checkpoint already there is reused: a second run
-# resumes the training with the steps its checkpoint records).
+# resumes the training with the steps its checkpoint records), VAL and VAL_EVERY (the
+# validation split: corpus sequences held out of training, default 256, their loss
+# measured every VAL_EVERY steps, default 100; the drafter of the lowest is the one
+# packed; VAL=0 for none, the drafter of the last step).
 set -euo pipefail
 gguf=${1:?GGUF}; static=${2:?STATIC_PROMPTS}; held=${3:?HELD_OUT}; out=${4:?OUT}
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -37,6 +40,14 @@ mkdir -p "$work" "$out"
 t0=$SECONDS
 log() { echo "[train-gpu $((SECONDS - t0)) s] $*"; }
 nvidia-smi -L || true
+# The GGUF reader is the `gguf` package (pure Python), which a GPU image may lack: say so
+# before anything runs (docs/training.md, "Sending the target and the gguf package").
+if [[ ! -f $work/target/model.safetensors ]] && ! python3 -c "import gguf" 2>/dev/null; then
+  echo "train-gpu: the Python package 'gguf' is missing here, and the target must be" \
+       "converted from $gguf: carry gguf's folder from .venv (its site-packages/gguf)" \
+       "and put its parent on PYTHONPATH (docs/training.md)" >&2
+  exit 2
+fi
 
 [[ -f $work/target/model.safetensors ]] ||
   python3 -m vllm_dspine.pairs.smollm2 --gguf "$gguf" --out "$work/target"
@@ -60,6 +71,7 @@ python3 -m vllm_dspine.train --preset smollm2 --target "$work/target" \
   --device "$dev" --feature-batch-tokens 32768 --loss soft --tail-weight 1 --train-rows 7 \
   --vocab-coverage 1.0 --init-norm-scale 0.3 --seqs-per-step "${SEQS:-64}" \
   --lr "${LR:-6e-4}" --steps "${STEPS:-100000}" --time-budget "$budget" \
+  --val-seqs "${VAL:-256}" --val-every "${VAL_EVERY:-100}" \
   --variant "${VARIANT:-full}" --name "gpu-${VARIANT:-full}" ${LAYERS:+--layers "$LAYERS"} \
   ${INIT:+--init-from "$INIT"} \
   --out "$work/draft" --out-packed "$work/packed" > "$out/train.log" 2>&1 || true

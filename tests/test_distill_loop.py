@@ -193,6 +193,86 @@ def test_resume_is_bit_identical(inputs, tmp_path, monkeypatch):
         assert torch.equal(resumed[name], full[name]), name
 
 
+# ------------------------------------------------------------------ validation split
+VAL_SETTINGS = DistillSettings(steps=6, seqs_per_step=2, blocks_per_seq=4, lr=3e-2,
+                               warmup=1, ckpt_every=3, seed=0, val_seqs=2, val_every=2)
+
+
+def _val_loss(inputs, s, tensors) -> float:
+    """The validation loss `distill` measures, of `tensors`, recomputed from outside."""
+    cfg, init, embed, head, data = inputs
+    vocab = data.vocab_ids()
+    remap = torch.full((embed.shape[0],), IGNORE, dtype=torch.long)
+    remap[vocab] = torch.arange(len(vocab))
+    split = loop.ValidationSplit(data, s, cfg.block_size)
+    return split.loss(loop.DrafterParams(tensors), cfg, s, embed.float(),
+                      head.float()[vocab], remap, row_weights(cfg.block_size, s.row_decay),
+                      data, None, torch.device("cpu"))
+
+
+def test_validation_split_is_never_trained_on_and_the_best_point_is_kept(
+        inputs, tmp_path, monkeypatch):
+    """With `val_seqs`, training draws only the other sequences; the validation loss is
+    measured before the first step, every `val_every` steps and after the last; the
+    tensors returned score the lowest of those (keep_best), or the last one."""
+    drawn = []
+    real_sample = loop.sample_batch
+
+    def record(data, seqs, *a, **k):
+        drawn.extend(seqs)
+        return real_sample(data, seqs, *a, **k)
+
+    monkeypatch.setattr(loop, "sample_batch", record)
+    best, stats = _run(inputs, tmp_path / "best", VAL_SETTINGS)
+    monkeypatch.setattr(loop, "sample_batch", real_sample)
+    val = stats["val"]
+    held = loop.ValidationSplit(inputs[4], VAL_SETTINGS, inputs[0].block_size).seqs
+    assert len(held) == 2 and not set(drawn) & set(held)
+    assert len(set(drawn)) == 4  # every other sequence is trained on
+    assert [v[0] for v in val["losses"]] == [0, 2, 4, 6]
+    lowest = min(val["losses"], key=lambda v: v[1])
+    assert (val["best_step"], val["best_loss"]) == (lowest[0], lowest[1])
+    assert val["returned"] == "best"
+    # The returned tensors are those of the lowest point: they score its loss again.
+    assert _val_loss(inputs, VAL_SETTINGS, best) == pytest.approx(val["best_loss"],
+                                                                  abs=1e-4)
+
+
+def test_validation_returns_the_best_point_not_the_last(inputs, tmp_path):
+    """At a learning rate of 1 the validation loss falls, then rises past its low
+    (6.13, 5.12, 7.38, 6.38 after 0, 2, 4, 6 steps with these seeds): keep_best returns
+    the tensors of the low point, keep_best=False the last step's; each scores its own
+    recorded loss again."""
+    s = DistillSettings(**{**VAL_SETTINGS.__dict__, "lr": 1.0})
+    kept, stats = _run(inputs, tmp_path / "best", s)
+    val = stats["val"]
+    assert val["best_step"] < 6 and val["losses"][-1][1] > val["best_loss"] + 0.5
+    assert _val_loss(inputs, s, kept) == pytest.approx(val["best_loss"], abs=1e-4)
+    last_s = DistillSettings(**{**s.__dict__, "keep_best": False})
+    last, stats = _run(inputs, tmp_path / "last", last_s)
+    assert stats["val"]["returned"] == "last" and stats["val"]["losses"] == val["losses"]
+    assert _val_loss(inputs, last_s, last) == pytest.approx(val["losses"][-1][1], abs=1e-4)
+    assert any(not torch.equal(kept[n], last[n]) for n in kept)
+
+
+def test_validation_resume_is_bit_identical(inputs, tmp_path, monkeypatch):
+    """A run with a validation split, stopped after a checkpoint and resumed, measures
+    the same validation losses and returns the same (best) tensors."""
+    full, stats_full = _run(inputs, tmp_path / "full", VAL_SETTINGS)
+    _run_interrupted_after(inputs, tmp_path / "resumed", VAL_SETTINGS, 3, monkeypatch)
+    resumed, stats = _run(inputs, tmp_path / "resumed", VAL_SETTINGS)
+    assert stats["resumed_at"] == 3
+    assert stats["val"] == stats_full["val"]
+    for name in full:
+        assert torch.equal(resumed[name], full[name]), name
+
+
+def test_validation_split_must_leave_training_sequences(inputs, tmp_path):
+    with pytest.raises(ValueError, match=r"val_seqs \(6\) must leave training sequences"):
+        _run(inputs, tmp_path / "all", DistillSettings(**{**VAL_SETTINGS.__dict__,
+                                                          "val_seqs": 6}))
+
+
 # --------------------------------------------------------------- labels and batches
 def test_block_labels_ignore_past_the_end():
     ids = torch.tensor([[10, 11, 12, 13, 14, 15],

@@ -303,11 +303,17 @@ def test_general_command_trains_exports_and_continues(corpus_dir, pair, tmp_path
     assert len(ho["tail_accept_by_position"]) == 15
     out2 = str(tmp_path / "d2")
     # continued on the first shard only (`--shards 1`): the store keeps both shards'
-    # features, the run reads shard 0's four sequences alone
+    # features, the run reads shard 0's four sequences alone, one of them held out as
+    # the validation split
     assert main(common + ["--steps", "1", "--out", out2, "--init-from", out1,
-                          "--name", "again", "--shards", "1"]) == 0
+                          "--name", "again", "--shards", "1", "--val-seqs", "1",
+                          "--val-every", "1"]) == 0
     rec2 = json.load(open(os.path.join(out2, "training.json")))
     assert len(rec2["stages"]) == 2 and rec2["stages"][0] == rec["stages"][0]
+    val = rec2["stages"][1]["val"]
+    assert val["seqs"] == 1 and [v[0] for v in val["losses"]] == [0, 1]
+    assert val["returned"] == "best" and val["best_loss"] == min(v[1] for v in val["losses"])
+    assert "val" not in rec["stages"][0]  # none without --val-seqs
     # a drafter of another layer count is refused by name before anything is trained
     with pytest.raises(ValueError, match="another shape: num_hidden_layers"):
         main(common + ["--steps", "1", "--out", str(tmp_path / "bad"), "--init-from", out1,

@@ -195,6 +195,14 @@ class DistillSettings:
     # steps; the record keeps the number, and `steps` = it reproduces the run).
     time_budget: float | None = None
     probe_steps: int = 20
+    # A validation split of the corpus: `val_seqs` sequences (a seeded choice) never
+    # trained on, their loss measured on fixed blocks before the first step, every
+    # `val_every` steps and after the last; with `keep_best` the run returns the tensors
+    # of the measurement with the lowest validation loss (the starting tensors included),
+    # not the last step's: a run that overfits its corpus keeps its best point.
+    val_seqs: int = 0
+    val_every: int = 100
+    keep_best: bool = True
 
 
 @dataclass
@@ -234,6 +242,14 @@ def sample_batch(data: DistillData, seqs: list[int], blocks_per_seq: int, block_
     -> ids [S, T], feats [S, T, F*H], anchors [S, nb], lengths [S], and the target's
     top-k (ids [S, T, k], log-probabilities [S, T, k]) when the data has them, else None"""
     anchors, rows = draw_anchors(data, seqs, blocks_per_seq, block_size, gen)
+    ids, feats, lengths, topk = gather_batch(data, seqs, rows)
+    return ids, feats, anchors, lengths, topk
+
+
+def gather_batch(data: DistillData, seqs: list[int], rows: list[int]):
+    """The first `rows[r]` positions of each sequence of `seqs`, right-padded to one
+    length (the host twin of `DeviceData.batch`).
+    -> ids [S, T], feats [S, T, F*H], lengths [S], top-k or None"""
     Tm = max(rows)
     fh = data.feats[seqs[0]].shape[1]
     ids = torch.zeros(len(seqs), Tm, dtype=torch.long)
@@ -249,7 +265,7 @@ def sample_batch(data: DistillData, seqs: list[int], blocks_per_seq: int, block_
         if topk is not None:
             topk[0][r, :t] = _rows(data.topk_ids[i], t).long()
             topk[1][r, :t] = _rows(data.topk_logp[i], t).float()
-    return ids, feats, anchors, torch.tensor(rows), topk
+    return ids, feats, torch.tensor(rows), topk
 
 
 def draw_anchors(data: DistillData, seqs: list[int], blocks_per_seq: int, block_size: int,
@@ -322,8 +338,10 @@ def _save_state(path: str, state: dict) -> None:
     os.replace(tmp, path)  # a crash mid-write never leaves a torn checkpoint
 
 
-def plot_loss(losses: list[float], path: str, title: str) -> None:
-    """Loss per step and its 50-step running mean, as a PNG."""
+def plot_loss(losses: list[float], path: str, title: str,
+              val: list[tuple[int, float]] | None = None) -> None:
+    """Loss per step and its 50-step running mean, and the validation loss at the steps
+    it was measured (`val`: (steps done, loss)), as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -335,6 +353,9 @@ def plot_loss(losses: list[float], path: str, title: str) -> None:
     if len(losses) >= k:
         run = torch.tensor(losses).unfold(0, k, 1).mean(1).tolist()
         ax.plot(range(k - 1, len(losses)), run, lw=1.5, label=f"{k}-step mean")
+    if val:
+        ax.plot([v[0] for v in val], [v[1] for v in val], "o-", ms=3, lw=1,
+                label="validation")
     ax.set_xlabel("step")
     ax.set_ylabel("row-weighted cross-entropy")
     ax.set_title(title)
@@ -343,6 +364,67 @@ def plot_loss(losses: list[float], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _batch_loss(model, cfg: DSpineConfig, s: DistillSettings, embed: torch.Tensor,
+                head_v: torch.Tensor,  # [V', H]
+                remap: torch.Tensor,  # [V]  full-vocabulary id -> loss-vocabulary index
+                weights: torch.Tensor,  # [K]
+                ids, feats, anchors, lengths, topk, rank: int = 0, world: int = 1):
+    """The row-weighted loss of one batch (this rank's share of it) and the batch's total
+    row weight, as training and validation both score it.  -> (loss, total weight)"""
+    mine = slice(rank, None, world)
+    labels = block_labels(ids, anchors, cfg.block_size, lengths)
+    labels = torch.where(labels == IGNORE, labels, remap[labels.clamp(min=0)])
+    targets = BlockTargets(labels[mine])
+    if s.soft:
+        sid, sp = soft_targets(topk[0][mine], topk[1][mine], anchors[mine],
+                               cfg.block_size, remap)
+        targets = BlockTargets(labels[mine], sid, sp)
+    # Every rank divides its weighted sum by the global batch's total weight / world,
+    # so that DDP's average of the ranks' losses and gradients is the global
+    # row-weighted mean however the ignored rows fall between ranks (one process:
+    # the batch's own total, the plain mean).
+    total = (weights * (labels != IGNORE)).sum() / world
+    loss = model(cfg, embed, head_v, ids[mine], feats[mine], anchors[mine],
+                 targets, weights, total, s.tail_weight)
+    return loss, total
+
+
+class ValidationSplit:
+    """`s.val_seqs` sequences held out of training (a seeded choice) and fixed blocks of
+    them (anchors drawn once), scored in batches of `s.seqs_per_step` sequences."""
+
+    def __init__(self, data: DistillData, s: DistillSettings, block_size: int):
+        n = len(data.ids)
+        if not 0 < s.val_seqs < n:
+            raise ValueError(f"distill: val_seqs ({s.val_seqs}) must leave training "
+                             f"sequences: the corpus has {n}")
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(s.seed + 1))
+        self.seqs = perm[:s.val_seqs].sort().values.tolist()
+        self.train = perm[s.val_seqs:].sort().values  # [n - val_seqs]
+        gen = torch.Generator().manual_seed(s.seed + 2)
+        self.batches = []  # (seqs, anchors [S, nb], rows)
+        for i in range(0, len(self.seqs), s.seqs_per_step):
+            seqs = self.seqs[i:i + s.seqs_per_step]
+            anchors, rows = draw_anchors(data, seqs, s.blocks_per_seq, block_size, gen)
+            self.batches.append((seqs, anchors, rows))
+
+    @torch.no_grad()
+    def loss(self, module, cfg, s, embed, head_v, remap, weights, data: DistillData,
+             dev_data: "DeviceData | None", device: torch.device) -> float:
+        """The row-weighted mean loss over every held-out block."""
+        num = den = 0.0
+        for seqs, anchors, rows in self.batches:
+            if dev_data is not None:
+                ids, feats, lengths, topk = dev_data.batch(seqs, rows)
+            else:
+                ids, feats, lengths, topk = gather_batch(data, seqs, rows)
+            loss, total = _batch_loss(module, cfg, s, embed, head_v, remap, weights, ids,
+                                      feats, anchors.to(device), lengths, topk)
+            num += loss.item() * total.item()
+            den += total.item()
+        return num / max(den, 1e-9)
 
 
 def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tensor,
@@ -359,7 +441,9 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
     (the no-bridge ablation holds the bridge writes at zero). On a `device` other than
     the CPU the drafter, the target's embedding and head and the whole data
     (`DeviceData`) live there; the batches are drawn on the host generator as on the
-    CPU (`device_data`: that path on any device, None: off the CPU only).
+    CPU (`device_data`: that path on any device, None: off the CPU only). With
+    `s.val_seqs` a validation split is held out of training (`ValidationSplit`) and, with
+    `s.keep_best`, the tensors returned are those of its lowest loss (stats["val"]).
     -> (trained tensors on the CPU, stats)
     """
     import torch.distributed as dist
@@ -390,6 +474,9 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
         cfg = dataclasses.replace(cfg, block_size=s.train_rows + 1)
     weights = row_weights(cfg.block_size, s.row_decay).to(device)
 
+    val = ValidationSplit(data, s, cfg.block_size) if s.val_seqs else None
+    # sequences training draws from (all of them without a validation split)
+    train_seqs = val.train if val is not None else torch.arange(len(data.ids))  # [n']
     module = DrafterParams(init, frozen).to(device)
     trained = [p for p in module.p.values() if p.requires_grad]
     decay = [p for p in trained if p.ndim == 2]
@@ -399,6 +486,8 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
                             lr=s.lr, betas=(0.9, 0.98), eps=1e-8)
     gen = torch.Generator().manual_seed(s.seed)
     step0, losses = 0, []
+    val_losses: list[tuple[int, float]] = []  # (steps done, validation loss)
+    best: dict | None = None  # {"step", "loss", "tensors" (CPU)}: the lowest so far
     if os.path.exists(state_path):
         st = torch.load(state_path, weights_only=False)
         module.load_state_dict(st["module"])
@@ -409,6 +498,7 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
         opt.load_state_dict(st["opt"])
         gen.set_state(st["gen"])
         step0, losses = st["step"], st["losses"]
+        val_losses, best = st.get("val_losses", []), st.get("best")
     model = module
     if distributed:
         model = torch.nn.parallel.DistributedDataParallel(
@@ -420,8 +510,23 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
 
         bar = tqdm(total=s.steps, initial=step0, desc="distill", unit="step",
                    dynamic_ncols=True)
+    def validate(done: int) -> None:
+        nonlocal best
+        if val is None or rank != 0 or (val_losses and val_losses[-1][0] == done):
+            return
+        v = val.loss(module, cfg, s, embed, head_v, remap, weights, data,
+                     dev_data if on_device else None, device)
+        val_losses.append((done, v))
+        if best is None or v < best["loss"]:
+            best = {"step": done, "loss": v,
+                    "tensors": {k: t.detach().cpu().clone()
+                                for k, t in module.tensors().items()}}
+        print(f"distill: validation loss {v:.4f} after {done} steps (lowest "
+              f"{best['loss']:.4f}, after {best['step']})", flush=True)
+
     t0 = time.perf_counter()
-    n = len(data.ids)
+    if step0 == 0:
+        validate(0)  # the starting tensors: a continued drafter may be the best point
     step = step0
     while step < s.steps:
         if s.time_budget is not None and step == step0 + s.probe_steps:
@@ -436,7 +541,8 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
                       f"{s.time_budget:.0f} s", flush=True)
         if step == step0 + PROBE_WARM:
             t_probe = time.perf_counter()
-        seqs = torch.randperm(n, generator=gen)[:s.seqs_per_step].tolist()
+        pick = torch.randperm(len(train_seqs), generator=gen)[:s.seqs_per_step]
+        seqs = train_seqs[pick].tolist()
         if on_device:
             anchors, rows = draw_anchors(data, seqs, s.blocks_per_seq, cfg.block_size, gen)
             anchors = anchors.to(device)
@@ -444,23 +550,10 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
         else:
             ids, feats, anchors, lengths, topk = sample_batch(data, seqs, s.blocks_per_seq,
                                                               cfg.block_size, gen)
-        mine = slice(rank, None, world)
-        labels = block_labels(ids, anchors, cfg.block_size, lengths)
-        labels = torch.where(labels == IGNORE, labels, remap[labels.clamp(min=0)])
-        targets = BlockTargets(labels[mine])
-        if s.soft:
-            sid, sp = soft_targets(topk[0][mine], topk[1][mine], anchors[mine],
-                                   cfg.block_size, remap)
-            targets = BlockTargets(labels[mine], sid, sp)
         for g in opt.param_groups:
             g["lr"] = cosine_lr(step, s.steps, s.lr, s.warmup)
-        # Every rank divides its weighted sum by the global batch's total weight / world,
-        # so that DDP's average of the ranks' losses and gradients is the global
-        # row-weighted mean however the ignored rows fall between ranks (one process:
-        # the batch's own total, the plain mean).
-        total = (weights * (labels != IGNORE)).sum() / world
-        loss = model(cfg, embed, head_v, ids[mine], feats[mine], anchors[mine],
-                     targets, weights, total, s.tail_weight)
+        loss, _ = _batch_loss(model, cfg, s, embed, head_v, remap, weights, ids, feats,
+                              anchors, lengths, topk, rank, world)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trained, s.grad_clip)
@@ -473,12 +566,15 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+        if (step + 1) % s.val_every == 0 or step + 1 == s.steps:
+            validate(step + 1)
         if rank == 0 and ((step + 1) % s.ckpt_every == 0 or step + 1 == s.steps):
             _save_state(state_path, {"module": module.state_dict(), "opt": opt.state_dict(),
                                      "gen": gen.get_state(), "step": step + 1,
-                                     "losses": losses, "settings": asdict(s)})
+                                     "losses": losses, "settings": asdict(s),
+                                     "val_losses": val_losses, "best": best})
             plot_loss(losses, os.path.join(work_dir, "loss.png"),
-                      f"DSpine distillation ({len(losses)} steps)")
+                      f"DSpine distillation ({len(losses)} steps)", val_losses)
         step += 1
     if bar is not None:
         bar.close()
@@ -486,10 +582,18 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
              "loss_first": losses[0] if losses else None,
              "loss_last50": sum(losses[-50:]) / max(1, len(losses[-50:])),
              "train_seconds_this_run": time.perf_counter() - t0,
-             "loss_vocab": len(vocab), "sequences": n,
+             "loss_vocab": len(vocab), "sequences": len(data.ids),
              "tokens": int(sum(len(x) for x in data.ids))}
     if rank == 0:
         with open(os.path.join(work_dir, "losses.json"), "w") as f:
             json.dump(losses, f)
     tensors = {k: v.detach().cpu().clone() for k, v in module.tensors().items()}
+    if val is not None and rank == 0:
+        validate(step)  # a run resumed at its end measures its last point too
+        stats["val"] = {"seqs": len(val.seqs), "every": s.val_every,
+                        "losses": [[a, round(b, 5)] for a, b in val_losses],
+                        "best_step": best["step"], "best_loss": round(best["loss"], 5),
+                        "returned": "best" if s.keep_best else "last"}
+        if s.keep_best:
+            tensors = {k: v.clone() for k, v in best["tensors"].items()}
     return tensors, stats
