@@ -28,8 +28,8 @@
 # corpus, feature store or training checkpoint already there is reused: a second run
 # resumes the training with the steps its checkpoint records), VAL and VAL_EVERY (the
 # validation split: corpus sequences held out of training, default 256, their loss
-# measured every VAL_EVERY steps, default 100; the drafter of the lowest is the one
-# packed; VAL=0 for none, the drafter of the last step).
+# measured every VAL_EVERY steps, default 100; the drafter of the best point, by
+# accepted drafts a block, is the one packed; VAL=0 for none: the last step's).
 set -euo pipefail
 gguf=${1:?GGUF}; static=${2:?STATIC_PROMPTS}; held=${3:?HELD_OUT}; out=${4:?OUT}
 root=$(cd "$(dirname "$0")/.." && pwd)

@@ -198,23 +198,25 @@ VAL_SETTINGS = DistillSettings(steps=6, seqs_per_step=2, blocks_per_seq=4, lr=3e
                                warmup=1, ckpt_every=3, seed=0, val_seqs=2, val_every=2)
 
 
-def _val_loss(inputs, s, tensors) -> float:
-    """The validation loss `distill` measures, of `tensors`, recomputed from outside."""
+def _val_point(inputs, s, tensors) -> dict:
+    """The validation point `distill` measures, of `tensors`, recomputed from outside."""
     cfg, init, embed, head, data = inputs
     vocab = data.vocab_ids()
     remap = torch.full((embed.shape[0],), IGNORE, dtype=torch.long)
     remap[vocab] = torch.arange(len(vocab))
     split = loop.ValidationSplit(data, s, cfg.block_size)
-    return split.loss(loop.DrafterParams(tensors), cfg, s, embed.float(),
-                      head.float()[vocab], remap, row_weights(cfg.block_size, s.row_decay),
-                      data, None, torch.device("cpu"))
+    return split.measure(loop.DrafterParams(tensors), cfg, s, embed.float(),
+                         head.float()[vocab], remap,
+                         row_weights(cfg.block_size, s.row_decay), data, None,
+                         torch.device("cpu"))
 
 
 def test_validation_split_is_never_trained_on_and_the_best_point_is_kept(
         inputs, tmp_path, monkeypatch):
-    """With `val_seqs`, training draws only the other sequences; the validation loss is
-    measured before the first step, every `val_every` steps and after the last; the
-    tensors returned score the lowest of those (keep_best), or the last one."""
+    """With `val_seqs`, training draws only the other sequences; the split is measured
+    before the first step, every `val_every` steps and after the last; the tensors
+    returned are those of the best point (by accepted drafts a block), which measure the
+    same again."""
     drawn = []
     real_sample = loop.sample_batch
 
@@ -229,35 +231,69 @@ def test_validation_split_is_never_trained_on_and_the_best_point_is_kept(
     held = loop.ValidationSplit(inputs[4], VAL_SETTINGS, inputs[0].block_size).seqs
     assert len(held) == 2 and not set(drawn) & set(held)
     assert len(set(drawn)) == 4  # every other sequence is trained on
-    assert [v[0] for v in val["losses"]] == [0, 2, 4, 6]
-    lowest = min(val["losses"], key=lambda v: v[1])
-    assert (val["best_step"], val["best_loss"]) == (lowest[0], lowest[1])
-    assert val["returned"] == "best"
-    # The returned tensors are those of the lowest point: they score its loss again.
-    assert _val_loss(inputs, VAL_SETTINGS, best) == pytest.approx(val["best_loss"],
-                                                                  abs=1e-4)
+    assert [p["step"] for p in val["points"]] == [0, 2, 4, 6]
+    assert val["metric"] == "accepted" and val["returned"] == "best"
+    top = max(val["points"], key=lambda p: p["accepted"])  # the first of equals
+    assert val["best_step"] == top["step"]
+    again = _val_point(inputs, VAL_SETTINGS, best)
+    assert again["loss"] == pytest.approx(top["loss"], abs=1e-4)
+    assert again["accepted"] == pytest.approx(top["accepted"], abs=1e-6)
+
+
+def test_validation_accepted_counts_leading_argmax_hits(inputs, tmp_path):
+    """`accepted` is the mean over blocks of the leading rows whose argmax is the text's
+    token: checked against a loop over the blocks of the same forward, for a drafter
+    trained enough to hit some rows."""
+    cfg, _, embed, head, data = inputs
+    s = VAL_SETTINGS
+    init, _ = _run(inputs, tmp_path / "trained",
+                   DistillSettings(**{**s.__dict__, "steps": 30, "lr": 1e-2, "val_seqs": 0}))
+    vocab = data.vocab_ids()
+    remap = torch.full((embed.shape[0],), IGNORE, dtype=torch.long)
+    remap[vocab] = torch.arange(len(vocab))
+    split = loop.ValidationSplit(data, s, cfg.block_size)
+    got = _val_point(inputs, s, init)["accepted"]
+    total = blocks = 0
+    for seqs, anchors, rows in split.batches:
+        ids, feats, lengths, _ = loop.gather_batch(data, seqs, rows)
+        logits = block_forward(cfg, {k: v.float() for k, v in init.items()}, embed.float(),
+                               head.float()[vocab], ids, feats, anchors).logits
+        labels = block_labels(ids, anchors, cfg.block_size, lengths)
+        for r in range(anchors.shape[0]):
+            for b in range(anchors.shape[1]):
+                n = 0
+                for k in range(cfg.block_size - 1):
+                    lab = int(labels[r, b, k])
+                    if lab == IGNORE or int(logits[r, b, k + 1].argmax()) != int(remap[lab]):
+                        break
+                    n += 1
+                total, blocks = total + n, blocks + 1
+    assert total > 0 and got == pytest.approx(total / blocks, abs=1e-9)
 
 
 def test_validation_returns_the_best_point_not_the_last(inputs, tmp_path):
     """At a learning rate of 1 the validation loss falls, then rises past its low
-    (6.13, 5.12, 7.38, 6.38 after 0, 2, 4, 6 steps with these seeds): keep_best returns
-    the tensors of the low point, keep_best=False the last step's; each scores its own
-    recorded loss again."""
-    s = DistillSettings(**{**VAL_SETTINGS.__dict__, "lr": 1.0})
+    (6.13, 5.12, 7.38, 6.38 after 0, 2, 4, 6 steps with these seeds): by loss,
+    keep_best returns the tensors of the low point, keep_best=False the last step's;
+    each measures its own recorded loss again."""
+    s = DistillSettings(**{**VAL_SETTINGS.__dict__, "lr": 1.0, "val_metric": "loss"})
     kept, stats = _run(inputs, tmp_path / "best", s)
-    val = stats["val"]
-    assert val["best_step"] < 6 and val["losses"][-1][1] > val["best_loss"] + 0.5
-    assert _val_loss(inputs, s, kept) == pytest.approx(val["best_loss"], abs=1e-4)
+    pts = stats["val"]["points"]
+    low = min(pts, key=lambda p: p["loss"])
+    assert stats["val"]["best_step"] == low["step"] < 6
+    assert pts[-1]["loss"] > low["loss"] + 0.5
+    assert _val_point(inputs, s, kept)["loss"] == pytest.approx(low["loss"], abs=1e-4)
     last_s = DistillSettings(**{**s.__dict__, "keep_best": False})
     last, stats = _run(inputs, tmp_path / "last", last_s)
-    assert stats["val"]["returned"] == "last" and stats["val"]["losses"] == val["losses"]
-    assert _val_loss(inputs, last_s, last) == pytest.approx(val["losses"][-1][1], abs=1e-4)
+    assert stats["val"]["returned"] == "last" and stats["val"]["points"] == pts
+    assert _val_point(inputs, last_s, last)["loss"] == pytest.approx(pts[-1]["loss"],
+                                                                     abs=1e-4)
     assert any(not torch.equal(kept[n], last[n]) for n in kept)
 
 
 def test_validation_resume_is_bit_identical(inputs, tmp_path, monkeypatch):
     """A run with a validation split, stopped after a checkpoint and resumed, measures
-    the same validation losses and returns the same (best) tensors."""
+    the same points and returns the same (best) tensors."""
     full, stats_full = _run(inputs, tmp_path / "full", VAL_SETTINGS)
     _run_interrupted_after(inputs, tmp_path / "resumed", VAL_SETTINGS, 3, monkeypatch)
     resumed, stats = _run(inputs, tmp_path / "resumed", VAL_SETTINGS)
@@ -267,10 +303,13 @@ def test_validation_resume_is_bit_identical(inputs, tmp_path, monkeypatch):
         assert torch.equal(resumed[name], full[name]), name
 
 
-def test_validation_split_must_leave_training_sequences(inputs, tmp_path):
+def test_validation_settings_are_checked(inputs, tmp_path):
     with pytest.raises(ValueError, match=r"val_seqs \(6\) must leave training sequences"):
         _run(inputs, tmp_path / "all", DistillSettings(**{**VAL_SETTINGS.__dict__,
                                                           "val_seqs": 6}))
+    with pytest.raises(ValueError, match="val_metric 'kl': 'accepted' or 'loss'"):
+        _run(inputs, tmp_path / "kl", DistillSettings(**{**VAL_SETTINGS.__dict__,
+                                                         "val_metric": "kl"}))
 
 
 # --------------------------------------------------------------- labels and batches

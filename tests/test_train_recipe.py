@@ -91,6 +91,25 @@ def test_shard_prompts_take_shares_and_never_repeat():
     assert all("#" in key for key in keys)  # provenance key + prompt hash
 
 
+def test_shard_prompts_take_given_shares():
+    """--shares: a chat-heavy mix takes its quotas (self 60, debian 15, python 20, docs
+    5 of 100); bad mixes are refused by name."""
+    static = {"debian": [(f"d{i}", f"debian prompt {i}") for i in range(300)],
+              "python": [(f"p{i}", f"python prompt {i}") for i in range(300)],
+              "docs": [(f"x{i}", f"doc prompt {i}") for i in range(300)]}
+    shares = C.parse_shares("self=0.6,debian=0.15,python=0.2,docs=0.05")
+    shard = C.shard_prompts(1, 100, static, [(f"s{i}", f"self {i}") for i in range(80)],
+                            set(), shares)
+    by = {s: sum(1 for x in shard if x[0] == s) for s in C.TRAIN_SOURCES}
+    assert by == {"self": 60, "debian": 15, "python": 20, "docs": 5}
+    for bad, why in [("self=0.6,debian=0.4", "give every source"),
+                     ("self=0.5,debian=0.2,python=0.2,docs=0.2", "summing to 1"),
+                     ("self=0.6,chat=0.15,python=0.2,docs=0.05", "'chat' is not"),
+                     ("self=x,debian=0.15,python=0.2,docs=0.05", "is not a number")]:
+        with pytest.raises(ValueError, match=why):
+            C.parse_shares(bad)
+
+
 def test_feature_store_matches_the_target(corpus_dir, target, pair, tmp_path):
     from vllm_dspine.train.feature_store import FeatureStore, bf16_from_bits, build_store
     from vllm_dspine.train.target_data import target_features
@@ -311,8 +330,8 @@ def test_general_command_trains_exports_and_continues(corpus_dir, pair, tmp_path
     rec2 = json.load(open(os.path.join(out2, "training.json")))
     assert len(rec2["stages"]) == 2 and rec2["stages"][0] == rec["stages"][0]
     val = rec2["stages"][1]["val"]
-    assert val["seqs"] == 1 and [v[0] for v in val["losses"]] == [0, 1]
-    assert val["returned"] == "best" and val["best_loss"] == min(v[1] for v in val["losses"])
+    assert val["seqs"] == 1 and [p["step"] for p in val["points"]] == [0, 1]
+    assert val["returned"] == "best" and val["metric"] == "accepted"
     assert "val" not in rec["stages"][0]  # none without --val-seqs
     # a drafter of another layer count is refused by name before anything is trained
     with pytest.raises(ValueError, match="another shape: num_hidden_layers"):

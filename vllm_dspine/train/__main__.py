@@ -15,7 +15,7 @@ Stages, each cached in WORK so a stopped run resumes where it was:
    distillation (`train/loop.py`): the target's top-k distribution, the last write also
    trained on the true previous token (the tail's input on accepted prefixes), the first
    `--train-rows` rows of each block; with `--val-seqs` a validation split of the
-   corpus is held out and the drafter of its lowest loss is the one exported;
+   corpus is held out and the drafter of its best point is the one exported;
 4. export: the drafter in bf16 with `training.json` (every stage: data size, steps,
    losses, held-out figures) and `loss.png`; held-out acceptance computed as vLLM serves
    it (bf16 weights, the retrieval vocabulary, the DSpine tail) on `--held-out-corpus`;
@@ -196,11 +196,13 @@ def main(argv: list[str] | None = None) -> int:
                          "--steps with that number repeats the run")
     ap.add_argument("--val-seqs", type=int, default=0, metavar="N",
                     help="hold N corpus sequences out of training (a seeded choice) and "
-                         "measure their loss before the first step, every --val-every "
-                         "steps and after the last; the drafter exported is the one of "
-                         "the lowest (--val-keep best) or the last step's")
+                         "measure them (loss, drafts a block accepted) before the first "
+                         "step, every --val-every steps and after the last; the drafter "
+                         "exported is the best by --val-metric (--val-keep best) or the "
+                         "last step's")
     ap.add_argument("--val-every", type=int, default=100, metavar="STEPS")
     ap.add_argument("--val-keep", choices=["best", "last"], default="best")
+    ap.add_argument("--val-metric", choices=["accepted", "loss"], default="accepted")
     ap.add_argument("--feature-batch-tokens", type=int, default=4096,
                     help="padded tokens per target forward while computing features")
     ap.add_argument("--name", default=None, help="run name (WORK/train-NAME)")
@@ -333,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                                tail_weight=args.tail_weight if args.variant == "full" else 0.0,
                                train_rows=args.train_rows, val_seqs=args.val_seqs,
                                val_every=args.val_every, keep_best=args.val_keep == "best",
+                               val_metric=args.val_metric,
                                time_budget=None if args.time_budget is None else
                                args.time_budget - (time.time() - t_start))
     if settings.time_budget is not None and settings.time_budget <= 0:

@@ -190,19 +190,45 @@ def write_shard(folder: str, name: str, seqs: list[list[int]], answer_start: lis
 
 
 # ------------------------------------------------------------------ making a shard
+def parse_shares(text: str) -> dict[str, float]:
+    """`self=0.6,debian=0.15,python=0.2,docs=0.05` -> {source: share}: every training
+    source named once, shares >= 0 summing to 1."""
+    shares: dict[str, float] = {}
+    for part in text.split(","):
+        src, _, val = part.partition("=")
+        src = src.strip()
+        if src not in TRAIN_SOURCES or src in shares:
+            raise ValueError(f"--shares: {src!r} is not a training source named once; "
+                             f"name each of {', '.join(TRAIN_SOURCES)} once, e.g. "
+                             f"self=0.6,debian=0.15,python=0.2,docs=0.05")
+        try:
+            shares[src] = float(val)
+        except ValueError:
+            raise ValueError(f"--shares: {src}={val!r} is not a number") from None
+        if shares[src] < 0:
+            raise ValueError(f"--shares: {src}={val} is negative")
+    missing = [src for src in TRAIN_SOURCES if src not in shares]
+    if missing or abs(sum(shares.values()) - 1.0) > 1e-6:
+        raise ValueError(f"--shares: give every source ({', '.join(TRAIN_SOURCES)}), "
+                         f"shares summing to 1 (missing {missing or 'none'}, sum "
+                         f"{sum(shares.values()):g})")
+    return shares
+
+
 def shard_prompts(k: int, n: int, static: dict[str, list[tuple[str, str]]],
-                  self_written: list[tuple[str, str]], seen: set[str]
-                  ) -> list[tuple[str, str, str]]:
-    """Shard k's prompts: SHARES of n from each source's k-th slice (static sources) or
-    from this shard's self-written turns; a source that runs short leaves its place to
-    the others (round-robin). Prompts whose hash is in `seen` are skipped.
-    -> [(source, key, prompt)]"""
+                  self_written: list[tuple[str, str]], seen: set[str],
+                  shares: dict[str, float] | None = None) -> list[tuple[str, str, str]]:
+    """Shard k's prompts: `shares` (default SHARES) of n from each source's k-th slice
+    (static sources) or from this shard's self-written turns; a source that runs short
+    leaves its place to the others (round-robin). Prompts whose hash is in `seen` are
+    skipped.  -> [(source, key, prompt)]"""
+    shares = shares or SHARES
     pools: dict[str, list[tuple[str, str]]] = {"self": self_written}
     for src, items in static.items():
-        per = max(1, round(SHARES[src] * n))
+        per = max(1, round(shares[src] * n))
         pools[src] = items[k * per:(k + 1) * per] + items[(k + 1) * per:]  # spill-over tail
     out: list[tuple[str, str, str]] = []
-    quota = {s: round(SHARES[s] * n) for s in TRAIN_SOURCES}
+    quota = {s: round(shares[s] * n) for s in TRAIN_SOURCES}
     iters = {s: iter(pools.get(s, [])) for s in TRAIN_SOURCES}
 
     def take(src: str) -> bool:
@@ -229,17 +255,19 @@ def shard_prompts(k: int, n: int, static: dict[str, list[tuple[str, str]]],
 
 
 def build_shard(llm, tokenizer, k: int, n: int, static, seen: set[str], max_tokens: int,
-                greedy_share: float, temperature: float, seed: int):
+                greedy_share: float, temperature: float, seed: int,
+                shares: dict[str, float] | None = None):
     """Prompts of shard k and the target's answers to them (vLLM, one batch)."""
     from vllm_dspine.train import prompts as P
     from vllm_dspine.train.target_data import (chat_ids, generate_answers,
                                                generate_self_prompts)
 
-    want_self = round(SHARES["self"] * n * 1.6)  # about 60 % of sampled turns are kept
+    shares = shares or SHARES
+    want_self = round(shares["self"] * n * 1.6)  # about 60 % of sampled turns are kept
     turns = generate_self_prompts(llm, tokenizer, want_self, seed=seed * 1000 + k,
                                   topics=P.CHAT_TOPICS)
     self_written = [(f"self:{k}:{i}", t) for i, t in enumerate(turns)]
-    chosen = shard_prompts(k, n, static, self_written, seen)
+    chosen = shard_prompts(k, n, static, self_written, seen, shares)
     prompts = [p for _, _, p in chosen]
     seqs = generate_answers(llm, tokenizer, prompts, max_tokens, greedy_share,
                             temperature, seed * 1000 + k)
@@ -274,10 +302,13 @@ def make_engine(target_dir: str, engine: str, device: str, max_num_seqs: int):
 def grow(target_dir: str, folder: str, shards: int, prompts_per_shard: int,
          max_tokens: int = 256, greedy_share: float = 0.75, temperature: float = 0.7,
          seed: int = 0, max_num_seqs: int = 64, docs_dir: str | None = None,
-         engine: str = "vllm", device: str = "cpu", static_file: str | None = None) -> dict:
+         engine: str = "vllm", device: str = "cpu", static_file: str | None = None,
+         shares: dict[str, float] | None = None) -> dict:
     """Add shards to `folder` until it holds `shards` of them; finished shards are kept
     as they are. `static_file`: the static sources' prompts as `--write-static-prompts`
-    wrote them (another machine's Debian lists and Python differ). -> the manifest"""
+    wrote them (another machine's Debian lists and Python differ); `shares`: each
+    source's share of a new shard (default SHARES; recorded in the shard's entry where
+    it differs). -> the manifest"""
     from transformers import AutoTokenizer
 
     os.makedirs(folder, exist_ok=True)
@@ -306,9 +337,11 @@ def grow(target_dir: str, folder: str, shards: int, prompts_per_shard: int,
         t0 = time.time()
         seqs, starts, source, key, temps = build_shard(
             llm, tok, k, prompts_per_shard, static, seen, max_tokens, greedy_share,
-            temperature, seed)
+            temperature, seed, shares)
         entry = write_shard(folder, f"shard-{k:05d}.npz", seqs, starts, source, key, temps,
                             len(tok))
+        if shares and shares != SHARES:
+            entry["shares"] = shares
         entry.update(seconds=round(time.time() - t0, 1), date=time.strftime("%Y-%m-%d"),
                      engine=engine if engine == "vllm" else f"{engine} ({device})")
         manifest["shards"].append(entry)
@@ -379,10 +412,18 @@ def main(argv: list[str] | None = None) -> int:
                          "--write-static-prompts) instead of this machine's lists")
     ap.add_argument("--write-static-prompts", default=None, metavar="FILE",
                     help="instead: write the static sources' prompts to FILE and stop")
+    ap.add_argument("--shares", default=None, metavar="SRC=X,...",
+                    help="each source's share of a new shard, e.g. "
+                         "self=0.6,debian=0.15,python=0.2,docs=0.05 (default "
+                         + ",".join(f"{k}={v:g}" for k, v in SHARES.items()) + ")")
     ap.add_argument("--coverage-of", default=None, metavar="HELD_OUT",
                     help="instead: print how the corpus's vocabulary covers the answers of "
                          "the held-out corpus HELD_OUT as shards are added (no engine)")
     args = ap.parse_args(argv)
+    try:
+        shares = parse_shares(args.shares) if args.shares else None
+    except ValueError as e:
+        ap.error(str(e))
     if args.write_static_prompts:
         static = static_prompts(args.seed)
         with open(args.write_static_prompts, "w") as f:
@@ -413,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--shards N (grow the corpus) or --held-out-prompts FILE is required")
     m = grow(args.target, args.corpus, args.shards, args.prompts_per_shard, args.max_tokens,
              args.greedy_share, seed=args.seed, max_num_seqs=args.max_num_seqs,
-             engine=args.engine, device=args.device, static_file=args.static_prompts)
+             engine=args.engine, device=args.device, static_file=args.static_prompts,
+             shares=shares)
     total = sum(s["answer_tokens"] for s in m["shards"])
     _log(f"{len(m['shards'])} shards, {total} answer tokens")
     return 0

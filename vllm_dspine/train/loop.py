@@ -196,13 +196,16 @@ class DistillSettings:
     time_budget: float | None = None
     probe_steps: int = 20
     # A validation split of the corpus: `val_seqs` sequences (a seeded choice) never
-    # trained on, their loss measured on fixed blocks before the first step, every
-    # `val_every` steps and after the last; with `keep_best` the run returns the tensors
-    # of the measurement with the lowest validation loss (the starting tensors included),
-    # not the last step's: a run that overfits its corpus keeps its best point.
+    # trained on, measured on fixed blocks before the first step, every `val_every`
+    # steps and after the last (the loss, and the drafts a block the argmax rows would
+    # have accepted); with `keep_best` the run returns the tensors of the best
+    # measurement by `val_metric` (the starting tensors included), not the last step's.
+    # "accepted" by default: on the SmolLM2 corpus the loss of unseen text rose while
+    # its acceptance still grew (docs/training.md, "Validation split").
     val_seqs: int = 0
     val_every: int = 100
     keep_best: bool = True
+    val_metric: str = "accepted"  # or "loss"
 
 
 @dataclass
@@ -339,9 +342,10 @@ def _save_state(path: str, state: dict) -> None:
 
 
 def plot_loss(losses: list[float], path: str, title: str,
-              val: list[tuple[int, float]] | None = None) -> None:
-    """Loss per step and its 50-step running mean, and the validation loss at the steps
-    it was measured (`val`: (steps done, loss)), as a PNG."""
+              val: list[dict] | None = None) -> None:
+    """Loss per step and its 50-step running mean, and the validation split's points
+    (`val`: {"step", "loss", "accepted"}: its loss beside the training loss, its
+    accepted drafts a block on a second axis), as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -354,8 +358,13 @@ def plot_loss(losses: list[float], path: str, title: str,
         run = torch.tensor(losses).unfold(0, k, 1).mean(1).tolist()
         ax.plot(range(k - 1, len(losses)), run, lw=1.5, label=f"{k}-step mean")
     if val:
-        ax.plot([v[0] for v in val], [v[1] for v in val], "o-", ms=3, lw=1,
-                label="validation")
+        steps = [v["step"] for v in val]
+        ax.plot(steps, [v["loss"] for v in val], "o-", ms=3, lw=1, label="validation loss")
+        ax2 = ax.twinx()
+        ax2.plot(steps, [v["accepted"] for v in val], "s--", ms=3, lw=1, color="C3",
+                 label="validation accepted")
+        ax2.set_ylabel("accepted drafts a block (argmax rows)")
+        ax2.legend(loc="upper center")
     ax.set_xlabel("step")
     ax.set_ylabel("row-weighted cross-entropy")
     ax.set_title(title)
@@ -366,6 +375,13 @@ def plot_loss(losses: list[float], path: str, title: str,
     plt.close(fig)
 
 
+def _batch_labels(cfg: DSpineConfig, remap: torch.Tensor, ids, anchors, lengths
+                  ) -> torch.Tensor:
+    """Row labels of a batch's blocks as loss-vocabulary indices.  -> [S, nb, K]"""
+    labels = block_labels(ids, anchors, cfg.block_size, lengths)
+    return torch.where(labels == IGNORE, labels, remap[labels.clamp(min=0)])
+
+
 def _batch_loss(model, cfg: DSpineConfig, s: DistillSettings, embed: torch.Tensor,
                 head_v: torch.Tensor,  # [V', H]
                 remap: torch.Tensor,  # [V]  full-vocabulary id -> loss-vocabulary index
@@ -374,8 +390,7 @@ def _batch_loss(model, cfg: DSpineConfig, s: DistillSettings, embed: torch.Tenso
     """The row-weighted loss of one batch (this rank's share of it) and the batch's total
     row weight, as training and validation both score it.  -> (loss, total weight)"""
     mine = slice(rank, None, world)
-    labels = block_labels(ids, anchors, cfg.block_size, lengths)
-    labels = torch.where(labels == IGNORE, labels, remap[labels.clamp(min=0)])
+    labels = _batch_labels(cfg, remap, ids, anchors, lengths)
     targets = BlockTargets(labels[mine])
     if s.soft:
         sid, sp = soft_targets(topk[0][mine], topk[1][mine], anchors[mine],
@@ -397,6 +412,8 @@ class ValidationSplit:
 
     def __init__(self, data: DistillData, s: DistillSettings, block_size: int):
         n = len(data.ids)
+        if s.val_metric not in ("accepted", "loss"):
+            raise ValueError(f"distill: val_metric {s.val_metric!r}: 'accepted' or 'loss'")
         if not 0 < s.val_seqs < n:
             raise ValueError(f"distill: val_seqs ({s.val_seqs}) must leave training "
                              f"sequences: the corpus has {n}")
@@ -411,20 +428,29 @@ class ValidationSplit:
             self.batches.append((seqs, anchors, rows))
 
     @torch.no_grad()
-    def loss(self, module, cfg, s, embed, head_v, remap, weights, data: DistillData,
-             dev_data: "DeviceData | None", device: torch.device) -> float:
-        """The row-weighted mean loss over every held-out block."""
-        num = den = 0.0
+    def measure(self, module, cfg, s, embed, head_v, remap, weights, data: DistillData,
+                dev_data: "DeviceData | None", device: torch.device) -> dict[str, float]:
+        """Over every held-out block: the row-weighted mean loss, and the mean number of
+        leading rows whose argmax is the text's token (the drafts a block greedy
+        verification would accept without the tail, over the trained rows).
+        -> {"loss", "accepted"}"""
+        num = den = accepted = blocks = 0.0
         for seqs, anchors, rows in self.batches:
             if dev_data is not None:
                 ids, feats, lengths, topk = dev_data.batch(seqs, rows)
             else:
                 ids, feats, lengths, topk = gather_batch(data, seqs, rows)
+            anchors = anchors.to(device)
             loss, total = _batch_loss(module, cfg, s, embed, head_v, remap, weights, ids,
-                                      feats, anchors.to(device), lengths, topk)
+                                      feats, anchors, lengths, topk)
             num += loss.item() * total.item()
             den += total.item()
-        return num / max(den, 1e-9)
+            out = block_forward(cfg, module.tensors(), embed, head_v, ids, feats, anchors)
+            labels = _batch_labels(cfg, remap, ids, anchors, lengths)  # [S, nb, K]
+            hit = out.logits[:, :, 1:].argmax(-1) == labels  # ignored rows never hit
+            accepted += hit.int().cumprod(-1).sum().item()
+            blocks += labels.shape[0] * labels.shape[1]
+        return {"loss": num / max(den, 1e-9), "accepted": accepted / max(blocks, 1)}
 
 
 def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tensor,
@@ -486,8 +512,8 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
                             lr=s.lr, betas=(0.9, 0.98), eps=1e-8)
     gen = torch.Generator().manual_seed(s.seed)
     step0, losses = 0, []
-    val_losses: list[tuple[int, float]] = []  # (steps done, validation loss)
-    best: dict | None = None  # {"step", "loss", "tensors" (CPU)}: the lowest so far
+    val_points: list[dict] = []  # {"step": steps done, "loss", "accepted"}
+    best: dict | None = None  # the best point so far by s.val_metric, with "tensors" (CPU)
     if os.path.exists(state_path):
         st = torch.load(state_path, weights_only=False)
         module.load_state_dict(st["module"])
@@ -498,7 +524,7 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
         opt.load_state_dict(st["opt"])
         gen.set_state(st["gen"])
         step0, losses = st["step"], st["losses"]
-        val_losses, best = st.get("val_losses", []), st.get("best")
+        val_points, best = st.get("val_points", []), st.get("best")
     model = module
     if distributed:
         model = torch.nn.parallel.DistributedDataParallel(
@@ -510,19 +536,24 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
 
         bar = tqdm(total=s.steps, initial=step0, desc="distill", unit="step",
                    dynamic_ncols=True)
+    def better(a: dict, b: dict) -> bool:
+        return (a["accepted"] > b["accepted"] if s.val_metric == "accepted"
+                else a["loss"] < b["loss"])
+
     def validate(done: int) -> None:
         nonlocal best
-        if val is None or rank != 0 or (val_losses and val_losses[-1][0] == done):
+        if val is None or rank != 0 or (val_points and val_points[-1]["step"] == done):
             return
-        v = val.loss(module, cfg, s, embed, head_v, remap, weights, data,
-                     dev_data if on_device else None, device)
-        val_losses.append((done, v))
-        if best is None or v < best["loss"]:
-            best = {"step": done, "loss": v,
-                    "tensors": {k: t.detach().cpu().clone()
-                                for k, t in module.tensors().items()}}
-        print(f"distill: validation loss {v:.4f} after {done} steps (lowest "
-              f"{best['loss']:.4f}, after {best['step']})", flush=True)
+        point = {"step": done, **val.measure(module, cfg, s, embed, head_v, remap, weights,
+                                             data, dev_data if on_device else None,
+                                             device)}
+        val_points.append(point)
+        if best is None or better(point, best):
+            best = {**point, "tensors": {k: t.detach().cpu().clone()
+                                         for k, t in module.tensors().items()}}
+        print(f"distill: validation after {done} steps: loss {point['loss']:.4f}, "
+              f"accepted {point['accepted']:.4f} a block (best by {s.val_metric}: after "
+              f"{best['step']})", flush=True)
 
     t0 = time.perf_counter()
     if step0 == 0:
@@ -572,9 +603,9 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
             _save_state(state_path, {"module": module.state_dict(), "opt": opt.state_dict(),
                                      "gen": gen.get_state(), "step": step + 1,
                                      "losses": losses, "settings": asdict(s),
-                                     "val_losses": val_losses, "best": best})
+                                     "val_points": val_points, "best": best})
             plot_loss(losses, os.path.join(work_dir, "loss.png"),
-                      f"DSpine distillation ({len(losses)} steps)", val_losses)
+                      f"DSpine distillation ({len(losses)} steps)", val_points)
         step += 1
     if bar is not None:
         bar.close()
@@ -590,10 +621,11 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
     tensors = {k: v.detach().cpu().clone() for k, v in module.tensors().items()}
     if val is not None and rank == 0:
         validate(step)  # a run resumed at its end measures its last point too
-        stats["val"] = {"seqs": len(val.seqs), "every": s.val_every,
-                        "losses": [[a, round(b, 5)] for a, b in val_losses],
-                        "best_step": best["step"], "best_loss": round(best["loss"], 5),
-                        "returned": "best" if s.keep_best else "last"}
+        stats["val"] = {"seqs": len(val.seqs), "every": s.val_every, "metric": s.val_metric,
+                        "points": [{k: round(v, 5) if isinstance(v, float) else v
+                                    for k, v in p.items()} for p in val_points],
+                        "best_step": best["step"], "returned": "best" if s.keep_best
+                        else "last"}
         if s.keep_best:
             tensors = {k: v.clone() for k, v in best["tensors"].items()}
     return tensors, stats
