@@ -18,7 +18,9 @@
 # whole script may take, default 560), RESERVE (seconds kept after training for the
 # held-out figures and packing, default 90), STEPS, LR, SEQS (the training's caps),
 # DEVICE (default cuda), CORPUS (the corpus to grow, default data/corpus/smollm2),
-# PROMPTS_PER_SHARD and MAX_TOKENS (default 512 and 256: the corpus's own settings),
+# PROMPTS_PER_SHARD and MAX_TOKENS (default 512 and 256: the corpus's own settings), MIX
+# (the sources' shares of new shards, as the corpus's --shares takes them, for example
+# self=0.6,debian=0.15,python=0.2,docs=0.05; default the corpus's mix),
 # VARIANT (full, or no-bridge: the ablation with the same recipe and data; its dflash
 # twin is written beside it, OUT/draft-dflash.tar.*), LAYERS (draft layers, default the
 # preset's 3; docs/training.md "Draft layers" for what more cost in the tree), INIT (a
@@ -58,7 +60,7 @@ dev=${DEVICE:-cuda}
 python3 -m vllm_dspine.train.corpus --target "$work/target" --corpus "$work/corpus" \
   --shards "${SHARDS:-14}" --engine transformers --device "$dev" --max-num-seqs 512 \
   --static-prompts "$static" --prompts-per-shard "${PROMPTS_PER_SHARD:-512}" \
-  --max-tokens "${MAX_TOKENS:-256}" 2>&1 | tail -n 30
+  --max-tokens "${MAX_TOKENS:-256}" ${MIX:+--shares "$MIX"} 2>&1 | tail -n 30
 (cd "$work/corpus" && tar cf "$out/corpus.tar" manifest.json shard-*.npz)
 log "corpus: $(ls "$work"/corpus/shard-*.npz | wc -l) shards, in $out/corpus.tar"
 
