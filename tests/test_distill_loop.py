@@ -303,6 +303,23 @@ def test_validation_resume_is_bit_identical(inputs, tmp_path, monkeypatch):
         assert torch.equal(resumed[name], full[name]), name
 
 
+def test_validation_on_the_device_path_is_the_host_path(inputs, tmp_path):
+    """The validation split measured through `DeviceData` (the GPU path, run here on the
+    CPU) gives the host path's points, soft targets and tail loss on."""
+    cfg, init, embed, head, data = inputs
+    data = _bf16_data(data)
+    s = DistillSettings(**{**VAL_SETTINGS.__dict__, "soft": True, "tail_weight": 1.0})
+    points = {}
+    for on in (False, True):
+        _, stats = distill(cfg, init, embed, head, data, s, str(tmp_path / str(on)),
+                           progress=False, device_data=on)
+        points[on] = stats["val"]["points"]
+    assert [p["step"] for p in points[True]] == [p["step"] for p in points[False]]
+    for a, b in zip(points[True], points[False]):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
+        assert a["accepted"] == pytest.approx(b["accepted"], abs=1e-9)
+
+
 def test_validation_settings_are_checked(inputs, tmp_path):
     with pytest.raises(ValueError, match=r"val_seqs \(6\) must leave training sequences"):
         _run(inputs, tmp_path / "all", DistillSettings(**{**VAL_SETTINGS.__dict__,
