@@ -8,8 +8,9 @@ of its own answers ("Here are some tips", the shape of a docstring, a common idi
 many tokens. The lookup finds the longest suffix of a request's context, 2 to 8 tokens
 (served from 6: `lookup.CORPUS_MIN_MATCH`), that occurs in the corpus, and proposes the
 continuation most of those occurrences share, token by token (at each position the token
-most of the still-agreeing occurrences have next). Deterministic given the context and the corpus, so its drafts are verified with
-q = 1 at the drafted token, like the prompt lookup's (`lookup_sparse_q`): exact.
+most of the still-agreeing occurrences have next). Deterministic given the context and
+the corpus, so its drafts are verified with q = 1 at the drafted token, like the prompt
+lookup's (`lookup_sparse_q`): exact.
 
     N = the corpus's tokens (answers, each followed by a separator), MAX_N = 8.
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_dspine.config import DSpineConfig
-from vllm_dspine.model.drafter import block_forward, last_write_with_predecessor
+from vllm_dspine.model.drafter import BlocksOut, block_forward, last_write_with_predecessor
 
 IGNORE = -100
 
@@ -117,6 +117,7 @@ def block_loss(cfg: DSpineConfig, w: dict[str, torch.Tensor],
                weights: torch.Tensor,  # [K]
                total_weight: torch.Tensor | None = None,  # scalar
                tail_weight: float = 0.0,
+               out: BlocksOut | None = None,
                ) -> torch.Tensor:
     """Row-weighted mean loss of rows 1..K (ignored rows excluded).  -> scalar
 
@@ -131,8 +132,12 @@ def block_loss(cfg: DSpineConfig, w: dict[str, torch.Tensor],
     instead: DDP averages the ranks' gradients with equal weight, which is the global
     mean only if every rank divides by the same total. With ranks' own totals a rank
     holding more ignored rows (past the end of a text) would count for more per row.
+
+    `out`: the block forward of these inputs where the caller has already run it
+    (validation reads its logits too).
     """
-    out = block_forward(cfg, w, embed, head, ids, feats, anchors)
+    if out is None:
+        out = block_forward(cfg, w, embed, head, ids, feats, anchors)
     ce = _row_losses(out.logits[:, :, 1:], targets)  # [S, nb, K]
     wt = weights * (targets.labels != IGNORE)  # [S, nb, K]
     if total_weight is None:
@@ -167,9 +172,9 @@ class DrafterParams(torch.nn.Module):
         return {n: self.p[n.replace(".", "__")] for n in self.names}
 
     def forward(self, cfg, embed, head, ids, feats, anchors, targets, weights,
-                total_weight=None, tail_weight=0.0):
+                total_weight=None, tail_weight=0.0, out=None):
         return block_loss(cfg, self.tensors(), embed, head, ids, feats, anchors, targets,
-                          weights, total_weight, tail_weight)
+                          weights, total_weight, tail_weight, out)
 
 
 PROBE_WARM = 5  # --time-budget: steps left out of the timing (caches, kernels warming)
@@ -386,9 +391,11 @@ def _batch_loss(model, cfg: DSpineConfig, s: DistillSettings, embed: torch.Tenso
                 head_v: torch.Tensor,  # [V', H]
                 remap: torch.Tensor,  # [V]  full-vocabulary id -> loss-vocabulary index
                 weights: torch.Tensor,  # [K]
-                ids, feats, anchors, lengths, topk, rank: int = 0, world: int = 1):
+                ids, feats, anchors, lengths, topk, rank: int = 0, world: int = 1,
+                out: BlocksOut | None = None):
     """The row-weighted loss of one batch (this rank's share of it) and the batch's total
-    row weight, as training and validation both score it.  -> (loss, total weight)"""
+    row weight, as training and validation both score it (`out`: the batch's block
+    forward where already run, one process only).  -> (loss, total weight)"""
     mine = slice(rank, None, world)
     labels = _batch_labels(cfg, remap, ids, anchors, lengths)
     targets = BlockTargets(labels[mine])
@@ -402,7 +409,7 @@ def _batch_loss(model, cfg: DSpineConfig, s: DistillSettings, embed: torch.Tenso
     # the batch's own total, the plain mean).
     total = (weights * (labels != IGNORE)).sum() / world
     loss = model(cfg, embed, head_v, ids[mine], feats[mine], anchors[mine],
-                 targets, weights, total, s.tail_weight)
+                 targets, weights, total, s.tail_weight, out)
     return loss, total
 
 
@@ -441,11 +448,11 @@ class ValidationSplit:
             else:
                 ids, feats, lengths, topk = gather_batch(data, seqs, rows)
             anchors = anchors.to(device)
+            out = block_forward(cfg, module.tensors(), embed, head_v, ids, feats, anchors)
             loss, total = _batch_loss(module, cfg, s, embed, head_v, remap, weights, ids,
-                                      feats, anchors, lengths, topk)
+                                      feats, anchors, lengths, topk, out=out)
             num += loss.item() * total.item()
             den += total.item()
-            out = block_forward(cfg, module.tensors(), embed, head_v, ids, feats, anchors)
             labels = _batch_labels(cfg, remap, ids, anchors, lengths)  # [S, nb, K]
             hit = out.logits[:, :, 1:].argmax(-1) == labels  # ignored rows never hit
             accepted += hit.int().cumprod(-1).sum().item()
