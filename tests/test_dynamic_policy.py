@@ -26,7 +26,9 @@ from vllm_dspine.proposer.dynamic import (  # noqa: E402
     PROBE_ROWS,
     ROWS_MIN,
     SAMPLED,
+    SEEDED_START,
     SKIP_AFTER,
+    WARMUP_CAPS,
     DynamicVerifier,
     choose_lengths,
 )
@@ -88,9 +90,10 @@ def test_zero_drafts_when_the_cost_model_says_verification_cannot_pay():
     conf = np.full((4, K), 0.95)
     kinds = [GREEDY, GREEDY, SAMPLED, SAMPLED]
     drafted, lengths = _step(v, ids, kinds, conf)
-    # Sampled: no threshold from a past step yet, so the cap; beside those 30 tokens a
-    # few confident greedy drafts raise the batch's rate.
-    assert drafted and list(lengths[2:]) == [K, K]
+    # Sampled: no threshold from a past step yet, so the warm-up's length for 4
+    # requests (16 // 4 drafts each, `warmup_cap`); beside those 8 tokens a few
+    # confident greedy drafts raise the batch's rate.
+    assert drafted and list(lengths[2:]) == [4, 4]
     drafted, lengths = _step(v, ids, kinds, conf)
     assert drafted and list(lengths) == [0, 0, 0, 0]
     drafted, lengths = _step(v, ids[:2], kinds[:2], conf[:2])
@@ -201,16 +204,17 @@ def test_a_step_far_from_paying_skips_the_drafter_at_once():
 def test_fifteen_drafts_when_acceptance_is_certain():
     """Every draft accepted so far at confidence 1.0, and the step has a fixed part (an
     engine step is never free): all 15 drafts are verified, greedy at once, sampled from
-    the second step (their threshold comes from the step before)."""
+    the second step (their threshold comes from the step before; at the first, the
+    warm-up's length for 6 requests, 16 // 6 = 2 drafts each)."""
     v = DynamicVerifier(K, InjectedStepCost(step_s=0.01, token_s=0.001, draft_s=0.002))
     _certain(v.calibrator, greedy=True)
     _certain(v.calibrator, greedy=False)
     ids = [f"r{i}" for i in range(6)]
     kinds = [GREEDY, GREEDY, GREEDY, SAMPLED, SAMPLED, SAMPLED]
     conf = np.ones((6, K))
-    for _ in range(3):
+    for step in range(3):
         drafted, lengths = _step(v, ids, kinds, conf)
-        assert drafted and list(lengths) == [K] * 6
+        assert drafted and list(lengths) == [K] * 3 + [K if step else 2] * 3
     assert not v.summary()["skipping"]
 
 
@@ -340,6 +344,43 @@ def test_measured_cost_model_fits_the_engine_and_drives_the_choice():
             assert sum(d for d, _ in late) <= 2
         else:
             assert all(d and ls == [K, K] for d, ls in late)
+
+
+def test_warm_up_lengths_scale_with_the_batch():
+    """Until the measured cost model has two operating points a factor 2 apart, the
+    warm-up cycles WARMUP_CAPS, each at most 16 drafts in all (at least 2 a request): at
+    1 request its first step verifies 15 drafts, at 32 requests 2 each (a 96-token step,
+    not the 512 of 15 each: on this CPU 2.6 s, ten plain steps), and the block computes
+    only those rows. The model is ready as soon as at 1 request, its factor 2 reached.
+    A seeded request keeps its own length (SEEDED_START) whatever the warm-up's."""
+    a, b = 0.05, 0.005  # the simulated engine: a + b N seconds a step
+    for R in (1, 32):
+        clock = FakeClock()
+        v = DynamicVerifier(K, None, clock=clock)
+        ids = [f"r{i}" for i in range(R)]
+        kinds = np.array([AT_CAP] + [GREEDY] * (R - 1)) if R > 1 else np.array([GREEDY])
+        n_tokens, warm = R, []
+        for step in range(6):
+            clock.t += a + b * n_tokens
+            v.begin(ids, [0] * R, None, n_tokens)
+            ready = v.ready
+            caps = np.full(R, K)
+            plan = v.plan(kinds, caps)
+            assert plan.draft
+            clock.t += 0.001
+            lengths = v.choose(ids, kinds, caps, np.full((R, plan.rows), 0.5), plan)
+            v.end(ids, True)
+            if not ready:
+                warm.append((plan.rows, lengths.tolist()))
+            n_tokens = int(R + lengths.sum())
+        if R == 1:
+            assert warm[0] == (15, [15]) and [ls for _, ls in warm] == [[15], [0]]
+        else:
+            # the seeded request at its own first length, the others at 2 then 0
+            assert warm[0] == (SEEDED_START, [SEEDED_START] + [2] * (R - 1))
+            assert warm[1][1] == [SEEDED_START] + [0] * (R - 1)
+            assert WARMUP_CAPS[:2] == (15, 0) and len(warm) == 2
+        assert v.ready
 
 
 def test_measured_cost_ignores_idle_gaps():

@@ -75,6 +75,21 @@ AT_CAP = 2  # verified at its cap: random with its own seed (the cap then is
 #             `SeededLengthRule`'s length), or probed this step
 
 WARMUP_CAPS = (15, 0, 8, 2, 15, 4, 1, 0)  # lengths tried while the cost model is empty
+# ... each at most WARMUP_TOKENS // R (and at least 2) for a step of R requests: the
+# warm-up needs two operating points a factor 2 apart, and 15 drafts for 32 requests
+# made a 512-token step that cost 2.7 s on this CPU, ten plain steps (with the first
+# sampled step's, `choose_lengths`, the first round at concurrency 32 and t0.7 ran at
+# 0.89-0.91x plain; docs/dynamic-verification.md "The warm-up").
+WARMUP_TOKENS = 16
+
+
+def warmup_cap(cap: int, num_live: int) -> int:
+    """The warm-up length `cap` (of WARMUP_CAPS) for a step of `num_live` requests: at
+    most WARMUP_TOKENS // num_live, at least 2 (N = 3R, past the factor 2 the cost model
+    needs), never above `cap` (a 0 stays 0)."""
+    return min(cap, max(2, WARMUP_TOKENS // max(num_live, 1)))
+
+
 SKIP_AFTER = 8  # drafted steps in a row that did not pay before the drafter is skipped
 UNPAID_SHORTFALL = 0.4  # ... or one step whose best rate is this far below plain's
 CALIBRATED_TRIALS = 200  # verified drafts observed before that second rule applies
@@ -250,11 +265,17 @@ def choose_lengths(
     n0 += int(caps[at_cap].sum())
     # SAMPLED: the previous step's threshold (a prefix: G and value fall along K); under
     # `fair` with other requests in the step, the previous step's mu on the value.
+    # Before any threshold (the first step after the warm-up), the warm-up's length for
+    # this batch, not every draft: 15 drafts for each of 32 sampled requests made a
+    # 512-token step, ten plain steps on this CPU. Either length is fixed before the
+    # step's drafts are seen.
     sampled = live & (kinds == SAMPLED)
     if fair and num_live > 1 and fair_threshold is not None:
         take = within & (value >= fair_threshold)
+    elif threshold is None:
+        take = within & (np.arange(K)[None, :] < warmup_cap(K, num_live))
     else:
-        take = within if threshold is None else within & (G >= threshold)
+        take = within & (G >= threshold)
     lengths[sampled] = take[sampled].sum(axis=1)
     tok_s = tokens0 + float((G * take)[sampled].sum())
     n_s = n0 + int(lengths[sampled].sum())
@@ -532,11 +553,13 @@ class DynamicVerifier:
         self.skip.new_step()
         if not live.any():
             return Plan(False, caps=caps, lookup=from_lookup)
-        if not self.ready:
-            return Plan(True, rows=self.K, caps=caps, lookup=from_lookup)
         # Seeded requests that take the drafter need its block, at their rows.
         block = live & seeded if from_lookup is None else live & seeded & ~from_lookup
         seeded_rows = int(caps[block].max()) if block.any() else 0
+        if not self.ready:  # the warm-up: this step's length (`choose`), the seeded caps
+            rows = warmup_cap(WARMUP_CAPS[self._warm % len(WARMUP_CAPS)], int(live.sum()))
+            return Plan(True, rows=min(self.K, max(rows, seeded_rows, 1)), caps=caps,
+                        lookup=from_lookup)
         if seeded_rows:
             return Plan(True, rows=max(seeded_rows, min(self.row_budget, self.K)), caps=caps,
                         lookup=from_lookup)
@@ -619,7 +642,8 @@ class DynamicVerifier:
             used_conf = _pad(conf, width)
             used_conf[seeded_lookup] = lookup.conf[seeded_lookup, :width]
         if not self.ready:
-            cap = WARMUP_CAPS[self._warm % len(WARMUP_CAPS)]
+            cap = warmup_cap(WARMUP_CAPS[self._warm % len(WARMUP_CAPS)],
+                             int((caps_all > 0).sum()))
             self._warm += 1
             lengths = np.where(kinds == AT_CAP, caps, np.minimum(caps, cap))
             expected = None
