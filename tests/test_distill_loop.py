@@ -242,8 +242,9 @@ def test_validation_split_is_never_trained_on_and_the_best_point_is_kept(
 
 def test_validation_accepted_counts_leading_argmax_hits(inputs, tmp_path):
     """`accepted` is the mean over blocks of the leading rows whose argmax is the text's
-    token: checked against a loop over the blocks of the same forward, for a drafter
-    trained enough to hit some rows."""
+    token, and `rows` the share of blocks whose leading hits reach each row: checked
+    against a loop over the blocks of the same forward, for a drafter trained enough to
+    hit some rows."""
     cfg, _, embed, head, data = inputs
     s = VAL_SETTINGS
     init, _ = _run(inputs, tmp_path / "trained",
@@ -252,8 +253,10 @@ def test_validation_accepted_counts_leading_argmax_hits(inputs, tmp_path):
     remap = torch.full((embed.shape[0],), IGNORE, dtype=torch.long)
     remap[vocab] = torch.arange(len(vocab))
     split = loop.ValidationSplit(data, s, cfg.block_size)
-    got = _val_point(inputs, s, init)["accepted"]
+    point = _val_point(inputs, s, init)
+    got = point["accepted"]
     total = blocks = 0
+    reached = [0] * (cfg.block_size - 1)  # blocks whose rows 1..t all hit
     for seqs, anchors, rows in split.batches:
         ids, feats, lengths, _ = loop.gather_batch(data, seqs, rows)
         logits = block_forward(cfg, {k: v.float() for k, v in init.items()}, embed.float(),
@@ -266,9 +269,12 @@ def test_validation_accepted_counts_leading_argmax_hits(inputs, tmp_path):
                     lab = int(labels[r, b, k])
                     if lab == IGNORE or int(logits[r, b, k + 1].argmax()) != int(remap[lab]):
                         break
+                    reached[k] += 1
                     n += 1
                 total, blocks = total + n, blocks + 1
     assert total > 0 and got == pytest.approx(total / blocks, abs=1e-9)
+    # per row: the share of blocks whose leading rows reach it (rounded to 4 places)
+    assert point["rows"] == pytest.approx([x / blocks for x in reached], abs=1e-4)
 
 
 def test_validation_returns_the_best_point_not_the_last(inputs, tmp_path):

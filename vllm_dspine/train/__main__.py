@@ -183,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topk", type=int, default=32)
     ap.add_argument("--tail-weight", type=float, default=1.0)
     ap.add_argument("--train-rows", type=int, default=None)
+    ap.add_argument("--row-decay", type=float, default=7.0,
+                    help="loss weight of block row t: exp(-(t - 1) / ROW_DECAY) (7: DFlash's; "
+                         "docs/training.md, 'Rows where the acceptance is')")
     ap.add_argument("--vocab-coverage", type=float, default=0.995)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0)
@@ -333,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
                                blocks_per_seq=args.blocks_per_seq, lr=args.lr,
                                seed=args.seed, soft=args.loss == "soft",
                                tail_weight=args.tail_weight if args.variant == "full" else 0.0,
-                               train_rows=args.train_rows, val_seqs=args.val_seqs,
+                               train_rows=args.train_rows, row_decay=args.row_decay,
+                               val_seqs=args.val_seqs,
                                val_every=args.val_every, keep_best=args.val_keep == "best",
                                val_metric=args.val_metric,
                                time_budget=None if args.time_budget is None else

@@ -436,12 +436,14 @@ class ValidationSplit:
 
     @torch.no_grad()
     def measure(self, module, cfg, s, embed, head_v, remap, weights, data: DistillData,
-                dev_data: "DeviceData | None", device: torch.device) -> dict[str, float]:
+                dev_data: "DeviceData | None", device: torch.device) -> dict:
         """Over every held-out block: the row-weighted mean loss, and the mean number of
         leading rows whose argmax is the text's token (the drafts a block greedy
-        verification would accept without the tail, over the trained rows).
-        -> {"loss", "accepted"}"""
-        num = den = accepted = blocks = 0.0
+        verification would accept without the tail, over the trained rows), and that
+        per row (the share of blocks whose rows 1..t all hit; "accepted" is their sum).
+        -> {"loss", "accepted", "rows"}"""
+        num = den = blocks = 0.0
+        rows_hit = None  # [K] blocks whose leading rows hit through row t
         for seqs, anchors, rows in self.batches:
             if dev_data is not None:
                 ids, feats, lengths, topk = dev_data.batch(seqs, rows)
@@ -455,9 +457,12 @@ class ValidationSplit:
             den += total.item()
             labels = _batch_labels(cfg, remap, ids, anchors, lengths)  # [S, nb, K]
             hit = out.logits[:, :, 1:].argmax(-1) == labels  # ignored rows never hit
-            accepted += hit.int().cumprod(-1).sum().item()
+            lead = hit.int().cumprod(-1).sum((0, 1)).double()  # [K]
+            rows_hit = lead if rows_hit is None else rows_hit + lead
             blocks += labels.shape[0] * labels.shape[1]
-        return {"loss": num / max(den, 1e-9), "accepted": accepted / max(blocks, 1)}
+        rows = (rows_hit / max(blocks, 1)).tolist()
+        return {"loss": num / max(den, 1e-9), "accepted": sum(rows),
+                "rows": [round(r, 4) for r in rows]}
 
 
 def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tensor,
@@ -559,8 +564,9 @@ def distill(cfg: DSpineConfig, init: dict[str, torch.Tensor], embed: torch.Tenso
             best = {**point, "tensors": {k: t.detach().cpu().clone()
                                          for k, t in module.tensors().items()}}
         print(f"distill: validation after {done} steps: loss {point['loss']:.4f}, "
-              f"accepted {point['accepted']:.4f} a block (best by {s.val_metric}: after "
-              f"{best['step']})", flush=True)
+              f"accepted {point['accepted']:.4f} a block (rows 1-4: "
+              f"{' / '.join(f'{r:.3f}' for r in point['rows'][:4])}; best by "
+              f"{s.val_metric}: after {best['step']})", flush=True)
 
     t0 = time.perf_counter()
     if step0 == 0:
