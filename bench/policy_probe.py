@@ -16,7 +16,8 @@ separated by commas. Each round runs `--concurrency`
 HumanEval (or `--workload chat`) prompts at a time (greedy or `--temperature` with top-p 0.95, `ignore_eos`,
 chat template applied; `--prompts` of them, a different slice each round) through
 `LLM.generate` on every engine, the order rotated round to round, after a 16-token
-warm-up request each. Prefix caching is off (a draft model loses the last cached block,
+warm-up request each (none with `--no-warmup`: the rounds then hold the dynamic policy's
+own warm-up at their concurrency, docs/dynamic-verification.md "The warm-up"). Prefix caching is off (a draft model loses the last cached block,
 bench/e2e.py). vLLM's engine cores run in this process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) with the step profile on (`VLLM_DSPINE_STEP_PROFILE`),
 so each proposer's `DynamicVerifier` can be read at the end.
@@ -26,7 +27,8 @@ median step profile (ms per step), and for a dynamic DSpine method the verifier'
 (verified-length histogram, drafted vs context-only steps, drafts accepted against what the
 policy expected, the step-cost curve) and its greedy calibration table (per position
 group: confidence bin centre: observations / accepted share). The summary counts since the
-verifier's last 30-second log line.
+verifier's last 30-second log line; below it, over the measured rounds, the steps it
+saw, those that verified drafts and those whose drafter ran its block (`StepCounts`).
 
 `--steps` records every request-step of the rounds that verified drafts (source,
 drafts verified, accepted drafts the policy expected, accepted drafts vLLM reported) and
@@ -124,6 +126,32 @@ class StepRecorder:
                       f"({sum(r['verified'] for r in drop)} verified) not taken")
 
 
+class StepCounts:
+    """Over the measured rounds (installed after the warm-up): the engine steps a dynamic
+    DSpine verifier saw, those that verified any drafts, and those whose plan ran the
+    drafter's block (the others wrote the drafter's context only). Wraps the instance."""
+
+    def __init__(self, verifier) -> None:
+        self.steps = self.verified = self.blocks = 0
+        begin, end = verifier.begin, verifier.end
+
+        def counted_begin(req_ids, verified, rejected, num_tokens):
+            self.steps += 1
+            self.verified += int(sum(verified) > 0)
+            return begin(req_ids, verified, rejected, num_tokens)
+
+        def counted_end(req_ids, drafted):
+            self.blocks += int(drafted)
+            return end(req_ids, drafted)
+
+        verifier.begin, verifier.end = counted_begin, counted_end
+
+    def report(self, name: str) -> None:
+        print(f"steps of {name} in the rounds: {self.steps}, {self.verified} of them "
+              f"verified drafts; the drafter's block ran in {self.blocks} (the others: "
+              f"its context only)")
+
+
 def print_policy(name: str, llm) -> None:
     verifier = verifier_of(llm)
     if verifier is None:
@@ -162,6 +190,9 @@ def main() -> None:
     ap.add_argument("--verify-cost", default=None,
                     help="a dspine_verify_cost JSON for the DSpine methods (a cost model "
                     "that never pays gives the steps without drafts)")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="no 16-token request before the rounds: they then include the "
+                    "policy's own warm-up (its cost model empty) at this concurrency")
     ap.add_argument("--steps", action="store_true",
                     help="record the request-steps that verified drafts (module doc)")
     ap.add_argument("--steps-json", default=None, help="write those records here")
@@ -197,7 +228,7 @@ def main() -> None:
     ids = [tok(tok.apply_chat_template([{"role": "user", "content": t}],
                                        add_generation_prompt=True, tokenize=False),
                add_special_tokens=False)["input_ids"] for t in texts]
-    for llm in engines.values():
+    for llm in engines.values() if not args.no_warmup else ():
         llm.generate([TokensPrompt(prompt_token_ids=ids[-1])], SamplingParams(max_tokens=16),
                      use_tqdm=False)
     params = SamplingParams(temperature=args.temperature,
@@ -205,6 +236,8 @@ def main() -> None:
                             max_tokens=args.max_tokens, ignore_eos=True)
     prof = profile()  # the engines share this process's step profile; one runs at a time
     recorders = {}
+    counts = {name: StepCounts(v) for name, v in
+              ((n, verifier_of(llm)) for n, llm in engines.items()) if v is not None}
     if args.steps or args.steps_json:
         for name, llm in engines.items():
             verifier = verifier_of(llm)
@@ -236,6 +269,8 @@ def main() -> None:
               f"{ {k: v for k, v in med.items() if k != 'tok_s'} }")
     for name in names:
         print_policy(name, engines[name])
+    for name, c in counts.items():
+        c.report(name)
     for name, rec in recorders.items():
         rec.report(name)
     if args.steps_json:
