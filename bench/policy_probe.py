@@ -17,8 +17,8 @@ HumanEval (or `--workload chat`) prompts at a time (greedy or `--temperature` wi
 chat template applied; `--prompts` of them, a different slice each round) through
 `LLM.generate` on every engine, the order rotated round to round, after a 16-token
 warm-up request each (none with `--no-warmup`: the rounds then hold the dynamic policy's
-own warm-up at their concurrency, docs/dynamic-verification.md "The warm-up"). Prefix caching is off (a draft model loses the last cached block,
-bench/e2e.py). vLLM's engine cores run in this process
+own warm-up at their concurrency, docs/dynamic-verification.md "The warm-up"). Prefix
+caching is off (a draft model loses the last cached block, bench/e2e.py). vLLM's engine cores run in this process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) with the step profile on (`VLLM_DSPINE_STEP_PROFILE`),
 so each proposer's `DynamicVerifier` can be read at the end.
 
@@ -128,8 +128,9 @@ class StepRecorder:
 
 class StepCounts:
     """Over the measured rounds (installed after the warm-up): the engine steps a dynamic
-    DSpine verifier saw, those that verified any drafts, and those whose plan ran the
-    drafter's block (the others wrote the drafter's context only). Wraps the instance."""
+    DSpine verifier saw, those that verified any drafts, and those in which the drafter
+    ran its block (`end(drafted=True)`; the others wrote its context only: the drafter
+    skipped, or the prompt lookup in its place). Wraps the instance."""
 
     def __init__(self, verifier) -> None:
         self.steps = self.verified = self.blocks = 0

@@ -350,7 +350,7 @@ def test_warm_up_lengths_scale_with_the_batch():
     """Until the measured cost model has two operating points a factor 2 apart, the
     warm-up cycles WARMUP_CAPS, each at most 16 drafts in all (at least 2 a request): at
     1 request its first step verifies 15 drafts, at 32 requests 2 each (a 96-token step,
-    not the 512 of 15 each: on this CPU 2.6 s, ten plain steps), and the block computes
+    not the 512 of 15 each: on this CPU 2.7-2.8 s, ten plain steps), and the block computes
     only those rows. The model is ready as soon as at 1 request, its factor 2 reached.
     A seeded request keeps its own length (SEEDED_START) whatever the warm-up's."""
     a, b = 0.05, 0.005  # the simulated engine: a + b N seconds a step

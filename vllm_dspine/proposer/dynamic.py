@@ -77,7 +77,7 @@ AT_CAP = 2  # verified at its cap: random with its own seed (the cap then is
 WARMUP_CAPS = (15, 0, 8, 2, 15, 4, 1, 0)  # lengths tried while the cost model is empty
 # ... each at most WARMUP_TOKENS // R (and at least 2) for a step of R requests: the
 # warm-up needs two operating points a factor 2 apart, and 15 drafts for 32 requests
-# made a 512-token step that cost 2.7 s on this CPU, ten plain steps (with the first
+# made a 512-token step that cost 2.7-2.8 s on this CPU, ten plain steps (with the first
 # sampled step's, `choose_lengths`, the first round at concurrency 32 and t0.7 ran at
 # 0.89-0.91x plain; docs/dynamic-verification.md "The warm-up").
 WARMUP_TOKENS = 16
@@ -557,7 +557,7 @@ class DynamicVerifier:
         block = live & seeded if from_lookup is None else live & seeded & ~from_lookup
         seeded_rows = int(caps[block].max()) if block.any() else 0
         if not self.ready:  # the warm-up: this step's length (`choose`), the seeded caps
-            rows = warmup_cap(WARMUP_CAPS[self._warm % len(WARMUP_CAPS)], int(live.sum()))
+            rows = self._warmup_length(int(live.sum()))
             return Plan(True, rows=min(self.K, max(rows, seeded_rows, 1)), caps=caps,
                         lookup=from_lookup)
         if seeded_rows:
@@ -576,6 +576,11 @@ class DynamicVerifier:
         # pay again?); while drafting, twice the budget (longer prefixes, step by step).
         rows = PROBE_ROWS if self.skip.skipping else min(self.K, 2 * self.row_budget)
         return Plan(True, probe, rows=rows, caps=caps, lookup=from_lookup)
+
+    def _warmup_length(self, num_live: int) -> int:
+        """This warm-up step's length (`plan` sizes the block by it, `choose` verifies
+        it): the next of WARMUP_CAPS, scaled to the batch (`warmup_cap`)."""
+        return warmup_cap(WARMUP_CAPS[self._warm % len(WARMUP_CAPS)], num_live)
 
     def _seeded_caps(self, caps: np.ndarray, seeded: np.ndarray,
                      lookup_lengths: np.ndarray | None
@@ -642,8 +647,7 @@ class DynamicVerifier:
             used_conf = _pad(conf, width)
             used_conf[seeded_lookup] = lookup.conf[seeded_lookup, :width]
         if not self.ready:
-            cap = warmup_cap(WARMUP_CAPS[self._warm % len(WARMUP_CAPS)],
-                             int((caps_all > 0).sum()))
+            cap = self._warmup_length(int((caps_all > 0).sum()))
             self._warm += 1
             lengths = np.where(kinds == AT_CAP, caps, np.minimum(caps, cap))
             expected = None

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topk", type=int, default=32)
     ap.add_argument("--tail-weight", type=float, default=1.0)
     ap.add_argument("--train-rows", type=int, default=None)
-    ap.add_argument("--row-decay", type=float, default=7.0,
+    ap.add_argument("--row-decay", type=float, default=7.0,  # DistillSettings.row_decay
                     help="loss weight of block row t: exp(-(t - 1) / ROW_DECAY) (7: DFlash's; "
                          "docs/training.md, 'Rows where the acceptance is')")
     ap.add_argument("--vocab-coverage", type=float, default=0.995)
