@@ -8,9 +8,13 @@ docs/verify.md and docs/kernels.md come from this script):
      step-cost curve is not made monotonic (proposer/dynamic.py, MeasuredStepCost).
   2. retrieval head [6227, 576] (the SmolLM2 drafter's retrieval vocabulary): torch's
      F.linear (MKL) against `FixedWeightMatmul` (vLLM's oneDNN), kernels/cpu_gemm.py.
-  3. top-k/top-p of verified draft rows at vocabulary 49,152: vLLM's
-     `apply_top_k_top_p_pytorch` against `apply_top_k_top_p_values_sorted`
-     (verify/top_k_top_p.py), which returns the same tensor.
+  3. top-p of verified draft rows at vocabulary 49,152, on rows shaped like a language
+     model's at temperature 0.7 (`verify.synthetic.language_model_logits`) and on
+     Gaussian ones (flat: the cut beyond the 256 largest, so the sort decides): vLLM's
+     `apply_top_k_top_p_pytorch` against verify/top_k_top_p.py's sort of the values
+     alone (`_apply_sorted`, every row) and what serving runs
+     (`apply_top_k_top_p_values_sorted`: the 256 largest values where they decide, the
+     sort for the rest); all three return the same tensor.
   4. the whole verification sampler of a step (`SparseRejectionSampler`) at
      temperature 0.7 / top-p 0.95, vocabulary 49,152, R requests of which d verify one
      draft each: the exponentials of the recovered tokens drawn for every request (vLLM's
@@ -88,30 +92,77 @@ def retrieval_head(rounds: int, sizes: list[int]) -> dict[int, tuple[float, floa
     return {M: (_median_ms(a), _median_ms(b)) for M, (a, b) in times.items()}
 
 
-def top_p_rows(rounds: int, sizes: list[int]) -> dict[int, tuple[float, float]]:
+def target_logits(target: str, corpus: str, seqs: int) -> torch.Tensor:
+    """The target's own logits at temperature 0.7 on the answers of the first `seqs`
+    sequences of the corpus's last shard (chat-heavy), [rows, vocab]."""
+    import json
+
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32)
+    shards = json.loads((pathlib.Path(corpus) / "manifest.json").read_text())["shards"]
+    shard = np.load(pathlib.Path(corpus) / shards[-1]["file"])
+    rows = []
+    for i in range(seqs):
+        start, end = shard["offsets"][i], shard["offsets"][i + 1]
+        ids = torch.from_numpy(shard["tokens"][start:end].astype(np.int64))[None, :512]
+        with torch.no_grad():
+            logits = model(ids).logits[0]  # [tokens, vocab]
+        rows.append(logits[int(shard["answer_start"][i]):])
+    return torch.cat(rows) / 0.7
+
+
+def top_p_rows(rounds: int, sizes: list[int], real: torch.Tensor | None
+               ) -> tuple[dict[tuple[str, int], tuple[float, float, float]], dict[str, float]]:
+    import numpy as np
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
-    from vllm_dspine.verify.top_k_top_p import apply_top_k_top_p_values_sorted
+    from vllm_dspine.verify.synthetic import language_model_logits
+    from vllm_dspine.verify.top_k_top_p import (_apply_sorted, _top_p_from_top_values,
+                                                apply_top_k_top_p_values_sorted)
 
     g = torch.Generator().manual_seed(2)
-    times = {R: ([], []) for R in sizes}
+    kinds = {"language model": lambda R: language_model_logits(R, 49152, g),
+             "Gaussian": lambda R: torch.randn(R, 49152, generator=g) * 3 / 0.7}
+    if real is not None:
+        kinds["SmolLM2's own"] = lambda R: real[torch.randint(len(real), (R,), generator=g)]
+    # The share of rows the 256 largest values decide (the rest are sorted).
+    shares = {}
+    for kind, make in kinds.items():
+        x = real if kind == "SmolLM2's own" else make(512)
+        count, slack = 0, 0.0
+        for chunk in x.split(256):
+            found = _top_p_from_top_values(chunk, torch.full((len(chunk),), 0.95))
+            count += int((found.decided | found.keep_all).sum())
+            # vLLM's own float32 cumulative probabilities at the same cuts (its sorted
+            # softmax and cumsum), against the bound the fast path allows them
+            vllm_cum = torch.cumsum(torch.from_numpy(
+                np.sort(chunk.numpy(), axis=-1)).softmax(dim=-1), dim=-1)
+            at_cut = vllm_cum[:, -1 - torch.arange(found.cumulative.shape[1])].double()
+            slack = max(slack, float(((at_cut - found.cumulative).abs()
+                                      / found.error).max()))
+        shares[kind] = (count / len(x), len(x), slack)
+    times = {(kind, R): ([], [], []) for kind in kinds for R in sizes}
     for _ in range(rounds):
-        for R in sizes:
-            logits = torch.randn(R, 49152, generator=g) * 3 / 0.7
-            p = torch.full((R,), 0.95)
-            want = None
-            for i, f in enumerate((
-                    lambda x: apply_top_k_top_p_pytorch(x, None, p, allow_cpu_sync=True),
-                    lambda x: apply_top_k_top_p_values_sorted(x, None, p))):
-                x = logits.clone()
-                t0 = time.perf_counter()
-                out = f(x)
-                times[R][i].append(time.perf_counter() - t0)
-                if want is None:
-                    want = out
-                else:
-                    assert torch.equal(out, want), "the two top-p functions disagree"
-    return {R: (_median_ms(a), _median_ms(b)) for R, (a, b) in times.items()}
+        for kind, make in kinds.items():
+            for R in sizes:
+                logits = make(R)
+                p = torch.full((R,), 0.95)
+                want = None
+                for i, f in enumerate((
+                        lambda x: apply_top_k_top_p_pytorch(x, None, p, allow_cpu_sync=True),
+                        lambda x: _apply_sorted(x, None, p),
+                        lambda x: apply_top_k_top_p_values_sorted(x, None, p))):
+                    x = logits.clone()
+                    t0 = time.perf_counter()
+                    out = f(x)
+                    times[(kind, R)][i].append(time.perf_counter() - t0)
+                    if want is None:
+                        want = out
+                    else:
+                        assert torch.equal(out, want), "the top-p functions disagree"
+    return {key: tuple(_median_ms(t) for t in ts) for key, ts in times.items()}, shares
 
 
 def sampler_steps(rounds: int, cases: list[tuple[int, int]]
@@ -122,6 +173,7 @@ def sampler_steps(rounds: int, cases: list[tuple[int, int]]
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     from vllm_dspine.verify.sampler import SparseRejectionSampler
+    from vllm_dspine.verify.synthetic import language_model_logits
 
     vocab = 49152
     g = torch.Generator().manual_seed(3)
@@ -152,7 +204,7 @@ def sampler_steps(rounds: int, cases: list[tuple[int, int]]
                 output_token_ids=[[] for _ in range(R)], allowed_token_ids_mask=None,
                 bad_words_token_ids={}, logitsprocs=LogitsProcessors(),
                 spec_token_ids=[[0] * n for n in num_draft])
-            logits = torch.randn(d + R, vocab, generator=g) * 3
+            logits = language_model_logits(d + R, vocab, g, temperature=1.0)
             cand_ids = torch.stack([torch.randperm(vocab, generator=g)[:16]
                                     for _ in range(d)]) if d else torch.zeros(0, 16).long()
             cand_probs = torch.full((d, 16), 1 / 16)
@@ -169,6 +221,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--no-doc", action="store_true")
     ap.add_argument("--doc", default=str(DOC))
+    ap.add_argument("--target", default="artifacts/smollm2/target",
+                    help="the target whose own logits the top-p rows add, if it is there "
+                         "(`python -m vllm_dspine.pairs smollm2 --out artifacts/smollm2`)")
+    ap.add_argument("--corpus", default="data/corpus/smollm2")
+    ap.add_argument("--target-seqs", type=int, default=40)
     args = ap.parse_args()
     from vllm.platforms.cpu import CpuPlatform
 
@@ -178,7 +235,9 @@ def main() -> None:
     layer_sizes = [1, 2, 3, 4, 5, 6, 8, 9, 16]
     layers = target_layers(args.rounds, layer_sizes)
     head = retrieval_head(args.rounds * 4, [1, 2, 3, 5, 16])
-    top_p = top_p_rows(max(3, args.rounds // 3), [1, 4, 16])
+    real = (target_logits(args.target, args.corpus, args.target_seqs)
+            if pathlib.Path(args.target, "config.json").exists() else None)
+    top_p, shares = top_p_rows(max(3, args.rounds // 3), [1, 4, 16], real)
     steps = sampler_steps(max(3, args.rounds // 3),
                           [(8, 0), (8, 1), (8, 2), (32, 0), (32, 1), (32, 4)])
     cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
@@ -198,14 +257,27 @@ def main() -> None:
            "| rows | torch F.linear | FixedWeightMatmul (oneDNN) | ratio |",
            "| ---: | ---: | ---: | ---: |"]
     out += [f"| {M} | {a:.3f} | {b:.3f} | {a / b:.1f}x |" for M, (a, b) in head.items()]
-    out += ["", "Top-p 0.95 on draft rows at vocabulary 49,152 (temperature 0.7 logits), ms; "
-            "both return the same tensor (asserted):\n",
-            "| rows | vLLM apply_top_k_top_p_pytorch | apply_top_k_top_p_values_sorted | ratio |",
-            "| ---: | ---: | ---: | ---: |"]
-    out += [f"| {R} | {a:.1f} | {b:.1f} | {a / b:.1f}x |" for R, (a, b) in top_p.items()]
+    out += ["", "Top-p 0.95 on draft rows at vocabulary 49,152 (temperature 0.7 logits: "
+            "shaped like a language model's, and Gaussian), ms; all three return the same "
+            "tensor (asserted):\n",
+            "| logits | rows | vLLM apply_top_k_top_p_pytorch | values sorted (_apply_sorted) "
+            "| serving (apply_top_k_top_p_values_sorted) | vLLM / serving |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    out += [f"| {kind} | {R} | {a:.2f} | {b:.2f} | {c:.2f} | {a / c:.1f}x |"
+            for (kind, R), (a, b, c) in top_p.items()]
+    out += ["", "Rows the 256 largest values decide at top-p 0.95 (the rest are sorted), and "
+            "the largest deviation of vLLM's float32 cumulative probability at a cut among "
+            "them from the fast path's float64 value, as a share of the error bound it "
+            "allows: "
+            + "; ".join(f"{kind} {share:.1%} of {n:,} ({slack:.2%})"
+                        for kind, (share, n, slack) in shares.items())
+            + (f" (SmolLM2's own: the target's logits / 0.7 on the answers of the first "
+               f"{args.target_seqs} sequences of the corpus's last shard)." if real is not None
+               else ".")]
     out += ["", "The verification sampler of one step (`SparseRejectionSampler`, bonus rows "
             "through vLLM's sampler as in plain decoding), temperature 0.7, top-p 0.95, "
-            "vocabulary 49,152: R requests, d of them verifying one draft; the exponentials "
+            "vocabulary 49,152, logits shaped like a language model's: R requests, d of them "
+            "verifying one draft; the exponentials "
             "of the recovered tokens drawn for all R requests (vLLM's order) or for the d "
             "drafted ones (serving), ms:\n",
             "| R | d | exponentials for all R | for the d drafted | ratio |",

@@ -100,3 +100,17 @@ def random_problem(
             0, vocab_size, (num_reqs, 1), generator=generator
         ),
     )
+
+
+def language_model_logits(
+    rows: int, vocab: int, g: torch.Generator, temperature: float = 0.7
+) -> torch.Tensor:  # [rows, vocab] float32
+    """Logits shaped like a language model's after temperature: Zipf-like (the id of
+    rank r at -1.1 ln r, with noise, ranks shuffled over the ids), a quarter of the rows
+    peaked on one id. At top-p 0.95 the cut of most rows falls in their 256 largest ids,
+    as on SmolLM2's own logits (docs/verify.md, "Top-p on draft rows")."""
+    ranks = torch.arange(1, vocab + 1, dtype=torch.float32)
+    x = -1.1 * ranks.log().expand(rows, vocab) + 0.5 * torch.randn(rows, vocab, generator=g)
+    x = x.gather(1, torch.rand(rows, vocab, generator=g).argsort(dim=1))
+    x[: rows // 4, 0] += 12.0
+    return x / temperature
