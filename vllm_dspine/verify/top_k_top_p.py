@@ -94,8 +94,9 @@ def _top_p_from_top_values(
     as torch's vectorised reduction does. The sum of C_j is the sum of e_i times i's
     rank from the top: exact for the largest, the vocabulary size for the rest. All
     doubled for second-order terms; plus, absolute, the float64 rounding of S and of the
-    kept mass, whose difference c_m is (it cancels where little mass is left); tests/test_top_k_top_p.py compares the result with
-    vLLM's on rows built to sit at the cut.
+    kept mass, whose difference c_m is (it cancels where little mass is left).
+    tests/test_top_k_top_p.py compares the result with vLLM's on rows built to sit at
+    the cut.
 
     Rows not decided: those whose cut is beyond TOP_VALUES, too near 1 - p, between
     equal values, or whose logits hold NaN or +inf.
