@@ -48,10 +48,10 @@ from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 # target's rows (docs/verify.md, "Top-p on draft rows").
 TOP_VALUES = 256
 # The error bound's terms (docstring of `_top_p_from_top_values`): float32's and
-# float64's unit roundoff; how far a float32 exponential may be from the exact one, in units of it
-# (torch's vectorised softmax takes `exp_u20`, 20 units by its name); the arguments'
-# magnitude up to which that is counted (smaller exponentials add _TINY_EXP each at
-# most); the additions a reduction may make after adding the row in memory order.
+# float64's unit roundoff; how far a float32 exponential may be from the exact one, in
+# units of it (torch's vectorised softmax takes `exp_u20`, 20 units by its name); the
+# arguments' magnitude up to which that is counted (smaller exponentials add _TINY_EXP
+# each at most); the additions a reduction may make after adding the row in memory order.
 _U32 = 2.0 ** -24
 _U64 = 2.0 ** -53
 _EXP_UNITS = 32.0
@@ -153,24 +153,22 @@ def apply_top_k_top_p_values_sorted(
     if k is not None or logits.shape[1] < 2:
         return _apply_sorted(logits, k, p)
     found = _top_p_from_top_values(logits, p)
-    m, decided, keep_all, top, top_ids = (found.kept, found.decided, found.keep_all,
-                                          found.top, found.top_ids)
-    cut_rows = (decided & ~keep_all).nonzero().squeeze(1)  # [n_cut]
-    rest = (~decided & ~keep_all).nonzero().squeeze(1)  # [n_rest]
-    saved = logits[rest] if rest.numel() else None  # a copy (advanced indexing)
+    cut_rows = (found.decided & ~found.keep_all).nonzero().squeeze(1)  # [n_cut]
+    rest = (~found.decided & ~found.keep_all).nonzero().squeeze(1)  # [n_rest]
     if cut_rows.numel():
         # A decided row keeps exactly its m largest ids (no tie at the cut): -inf, then
         # those m values written back ([n_cut, width], -inf past each row's m).
-        width = int(m[cut_rows].max())
-        ids = top_ids[cut_rows, :width]
-        kept = top[cut_rows, :width].masked_fill(
-            torch.arange(width) >= m[cut_rows].unsqueeze(1), float("-inf"))
+        m = found.kept[cut_rows]  # [n_cut]
+        width = int(m.max())
+        ids = found.top_ids[cut_rows, :width]
+        kept = found.top[cut_rows, :width].masked_fill(
+            torch.arange(width) >= m.unsqueeze(1), float("-inf"))
         if cut_rows.numel() == logits.shape[0]:  # every row: in place
             logits.fill_(float("-inf")).scatter_(1, ids, kept)
         else:
             logits[cut_rows] = logits[cut_rows].fill_(float("-inf")).scatter_(1, ids, kept)
-    if saved is not None:
-        logits[rest] = _apply_sorted(saved, None, p[rest])
+    if rest.numel():  # disjoint from the rows written above; logits[rest] is a copy
+        logits[rest] = _apply_sorted(logits[rest], None, p[rest])
     return logits
 
 
@@ -179,7 +177,7 @@ def _apply_sorted(
     k: torch.Tensor | None,  # [rows] int, or None
     p: torch.Tensor,  # [rows] float32
 ) -> torch.Tensor:
-    """Steps 1-3 of the module docstring: the values of every row sorted."""
+    """The second path of the module docstring: the values of every row sorted."""
     vocab = logits.shape[1]
     values = torch.from_numpy(np.sort(logits.numpy(), axis=-1))  # [rows, vocab] ascending
     if k is not None:
