@@ -6,8 +6,10 @@ docs/verify.md and docs/kernels.md come from this script):
      vLLM's oneDNN handles, weights streamed from memory, for M = 1 .. 16 rows (the
      target tokens of a step at concurrency 1: 1 + verified drafts). Shows why the
      step-cost curve is not made monotonic (proposer/dynamic.py, MeasuredStepCost).
-  2. retrieval head [6227, 576] (the SmolLM2 drafter's retrieval vocabulary): torch's
-     F.linear (MKL) against `FixedWeightMatmul` (vLLM's oneDNN), kernels/cpu_gemm.py.
+  2. candidate retrieval over SmolLM2's head restricted to the committed drafter's
+     retrieval vocabulary (20,500 ids), rows from the target's final hidden states:
+     torch's F.linear (MKL), `FixedWeightMatmul` (vLLM's oneDNN fp32, kernels/cpu_gemm.py)
+     and the certified bf16 path (kernels/retrieval.py `retrieve_candidates_certified`).
   3. top-p of verified draft rows at vocabulary 49,152, on rows shaped like a language
      model's at temperature 0.7 (`verify.synthetic.language_model_logits`) and on
      Gaussian ones (flat: the cut beyond the 256 largest, so the sort decides): vLLM's
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import pathlib
 import statistics
@@ -74,27 +77,67 @@ def target_layers(rounds: int, sizes: list[int]) -> dict[int, float]:
     return {M: _median_ms(t) for M, t in times.items()}
 
 
-def retrieval_head(rounds: int, sizes: list[int]) -> dict[int, tuple[float, float]]:
+def retrieval_head(rounds: int, sizes: list[int], head: torch.Tensor, rows: torch.Tensor
+                   ) -> tuple[dict[int, tuple[float, float, float]], tuple[float, float]]:
+    """The drafter's candidate retrieval over `head` [V', H] (fp32) for M of `rows`: torch's
+    F.linear + top 16, vLLM's oneDNN fp32 GEMM + top 16 (the path of a CPU without native
+    bf16), and the certified bf16 path (`RetrievalHead` on a CPU with native bf16). Also
+    the shares of `rows` its window of 48 proves, and it or the window of 256."""
+    from vllm_dspine.proposer.retrieval_head import RetrievalHead
+
+    fp32 = RetrievalHead(head, None, None, None, None)
     from vllm_dspine.kernels.cpu_gemm import FixedWeightMatmul
 
-    g = torch.Generator().manual_seed(1)
-    head = torch.randn(6227, 576, generator=g)
-    fast = FixedWeightMatmul(head)
-    assert fast.uses_onednn, "vLLM's oneDNN matmul is not available in this build"
-    xs = {M: torch.randn(M, 576, generator=g) for M in sizes}
-    times = {M: ([], []) for M in sizes}
-    for _ in range(rounds):
+    fp32.matmul = FixedWeightMatmul(head)
+    assert fp32.matmul.uses_onednn, "vLLM's oneDNN matmul is not available in this build"
+    certified = RetrievalHead.build(head, None, "auto")
+    assert certified.certified_matmul is not None, "this CPU has no native bf16"
+    exact = torch.cat([fp32.candidates(rows[i:i + 64], 16, 128)
+                       for i in range(0, len(rows), 64)])
+    found = torch.cat([certified.candidates(rows[i:i + 64], 16, 128)
+                       for i in range(0, len(rows), 64)])
+    # The same 16 ids (fp32 near-ties aside: two summation orders may swap equal scores).
+    assert (found.sort(1).values == exact.sort(1).values).all(1).float().mean() > 0.999
+    proved = (1 - certified.rows_beyond_window / len(rows),
+              1 - certified.rows_scored_whole / len(rows))
+    paths = (lambda x: torch.nn.functional.linear(x, head).topk(16, dim=1).indices,
+             lambda x: fp32.candidates(x, 16, 128),
+             lambda x: certified.candidates(x, 16, 128))
+    times = {M: ([], [], []) for M in sizes}
+    for r in range(rounds):
         for M in sizes:
-            for i, f in enumerate((lambda x: torch.nn.functional.linear(x, head), fast)):
+            x = rows[(r * M) % (len(rows) - M):][:M].contiguous()
+            for i, f in enumerate(paths):
                 t0 = time.perf_counter()
-                f(xs[M])
+                f(x)
                 times[M][i].append(time.perf_counter() - t0)
-    return {M: (_median_ms(a), _median_ms(b)) for M, (a, b) in times.items()}
+    return {M: tuple(_median_ms(t) for t in ts) for M, ts in times.items()}, proved
 
 
-def target_logits(target: str, corpus: str, seqs: int) -> torch.Tensor:
+def retrieval_rows(target: str | None, vocab: list[int] | None, final: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """The retrieval head and rows to score: SmolLM2's own head restricted to the
+    committed drafter's retrieval vocabulary, and the target's final-normed hidden states
+    (stand-ins for the drafter's proposal rows, which are trained to resemble them), when
+    the pair is there; else random ones of the same shape."""
+    if target is not None and vocab is not None and final is not None:
+        from safetensors.torch import load_file
+
+        weights = load_file(str(pathlib.Path(target) / "model.safetensors"))
+        name = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+        head = weights[name].float()[vocab].contiguous()
+        return head, final, (f"SmolLM2's head over the committed drafter's {len(vocab):,}-id "
+                             f"retrieval vocabulary; rows: the target's final-normed hidden "
+                             f"states on the corpus answers below ({len(final):,})")
+    g = torch.Generator().manual_seed(1)
+    head = torch.randn(20500, 576, generator=g) / 24
+    return head, torch.randn(4096, 576, generator=g), "random [20500, 576] head and rows"
+
+
+def target_logits(target: str, corpus: str, seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's own logits at temperature 0.7 on the answers of the first `seqs`
-    sequences of the corpus's last shard (chat-heavy), [rows, vocab]."""
+    sequences of the corpus's last shard (chat-heavy), [rows, vocab], and its final-normed
+    hidden states there, [rows, H]."""
     import json
 
     import numpy as np
@@ -103,14 +146,16 @@ def target_logits(target: str, corpus: str, seqs: int) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32)
     shards = json.loads((pathlib.Path(corpus) / "manifest.json").read_text())["shards"]
     shard = np.load(pathlib.Path(corpus) / shards[-1]["file"])
-    rows = []
+    rows, finals = [], []
     for i in range(seqs):
         start, end = shard["offsets"][i], shard["offsets"][i + 1]
         ids = torch.from_numpy(shard["tokens"][start:end].astype(np.int64))[None, :512]
         with torch.no_grad():
-            logits = model(ids).logits[0]  # [tokens, vocab]
-        rows.append(logits[int(shard["answer_start"][i]):])
-    return torch.cat(rows) / 0.7
+            out = model(ids, output_hidden_states=True)
+        answer = int(shard["answer_start"][i])
+        rows.append(out.logits[0][answer:])  # [tokens, vocab]
+        finals.append(out.hidden_states[-1][0][answer:])  # [tokens, H]  after the final norm
+    return torch.cat(rows) / 0.7, torch.cat(finals)
 
 
 def top_p_rows(rounds: int, sizes: list[int], real: torch.Tensor | None
@@ -226,6 +271,8 @@ def main() -> None:
                          "(`python -m vllm_dspine.pairs smollm2 --out artifacts/smollm2`)")
     ap.add_argument("--corpus", default="data/corpus/smollm2")
     ap.add_argument("--target-seqs", type=int, default=40)
+    ap.add_argument("--drafter", default="vllm_dspine/pairs/drafters/smollm2",
+                    help="the drafter whose retrieval vocabulary the retrieval rows use")
     args = ap.parse_args()
     from vllm.platforms.cpu import CpuPlatform
 
@@ -234,9 +281,15 @@ def main() -> None:
     t0 = time.time()
     layer_sizes = [1, 2, 3, 4, 5, 6, 8, 9, 16]
     layers = target_layers(args.rounds, layer_sizes)
-    head = retrieval_head(args.rounds * 4, [1, 2, 3, 5, 16])
-    real = (target_logits(args.target, args.corpus, args.target_seqs)
-            if pathlib.Path(args.target, "config.json").exists() else None)
+    have_target = pathlib.Path(args.target, "config.json").exists()
+    real, final = (target_logits(args.target, args.corpus, args.target_seqs)
+                   if have_target else (None, None))
+    vocab_file = pathlib.Path(args.drafter) / "config.json"
+    vocab = (json.loads(vocab_file.read_text())["dspine_config"].get("retrieval_vocab")
+             if vocab_file.exists() else None)
+    ret_head, ret_rows, ret_what = retrieval_rows(args.target if have_target else None,
+                                                  vocab, final)
+    head, proved = retrieval_head(args.rounds * 4, [1, 2, 4, 8, 15, 60], ret_head, ret_rows)
     top_p, shares = top_p_rows(max(3, args.rounds // 3), [1, 4, 16], real)
     steps = sampler_steps(max(3, args.rounds // 3),
                           [(8, 0), (8, 1), (8, 2), (32, 0), (32, 1), (32, 4)])
@@ -253,10 +306,17 @@ def main() -> None:
            "| M | " + " | ".join(str(M) for M in layer_sizes) + " |",
            "| --- |" + " ---: |" * len(layer_sizes),
            "| ms | " + " | ".join(f"{layers[M]:.1f}" for M in layer_sizes) + " |\n",
-           "Retrieval head [6227, 576] (`x @ head.T`), ms:\n",
-           "| rows | torch F.linear | FixedWeightMatmul (oneDNN) | ratio |",
-           "| ---: | ---: | ---: | ---: |"]
-    out += [f"| {M} | {a:.3f} | {b:.3f} | {a / b:.1f}x |" for M, (a, b) in head.items()]
+           f"Candidate retrieval (the 16 best ids of each row, fp32 head "
+           f"{list(ret_head.shape)}; {ret_what}), ms: torch's F.linear, vLLM's oneDNN fp32 "
+           f"GEMM (`FixedWeightMatmul`, a CPU without native bf16), and the bf16 copy through "
+           f"oneDNN with the best 48 rescored and the fp32 top 16 proved per row "
+           f"(`retrieve_candidates_certified`, what serving runs on a CPU with native bf16; "
+           f"the window of 48 proved {proved[0]:.2%} of the rows, with the window of 256 for "
+           f"the others {proved[1]:.2%}; the rest were scored in fp32 whole):\n",
+           "| rows | torch F.linear | oneDNN fp32 | certified bf16 | fp32 / certified |",
+           "| ---: | ---: | ---: | ---: | ---: |"]
+    out += [f"| {M} | {a:.2f} | {b:.2f} | {c:.2f} | {b / c:.2f}x |"
+            for M, (a, b, c) in head.items()]
     out += ["", "Top-p 0.95 on draft rows at vocabulary 49,152 (temperature 0.7 logits: "
             "shaped like a language model's, and Gaussian), ms; all three return the same "
             "tensor (asserted):\n",

@@ -4,11 +4,14 @@ FP8 coarse-scoring Triton kernel against its reference."""
 import pytest
 import torch
 
+from vllm_dspine.kernels.cpu_gemm import FixedWeightMatmul
 from vllm_dspine.kernels.retrieval import (
     FP8Head,
+    bf16_score_error_bound,
     fp8_head_scores,
     fp8_matmul_available,
     retrieve_candidates,
+    retrieve_candidates_certified,
 )
 from vllm_dspine.kernels.retrieval_ref import FP8_MAX, fp8_head_scores_ref
 
@@ -142,6 +145,131 @@ def test_auto_mode_and_bad_modes_on_cpu():
         retrieve_candidates(hidden, head, 64, 32, fp8, mode="fp8")
     with pytest.raises(ValueError, match="rebuild it"):
         retrieve_candidates(hidden, head[:400], 8, 32, fp8, mode="fp8")
+
+
+# ------------------------------------------------- certified bf16 path (CPU, fp32 head)
+def _lm_like_head_and_hidden(V, H, N, seed):
+    """A head whose row norms vary 4x (as a real head's: SmolLM2's 2.9 median, 5.9 max)
+    and final hidden rows that score a few ids far above the rest, as a drafter's do."""
+    gen = torch.Generator().manual_seed(seed)
+    head = torch.randn(V, H, generator=gen) * (0.5 + 1.5 * torch.rand(V, 1, generator=gen))
+    head /= H ** 0.5
+    favourites = torch.randint(0, V, (N, 4), generator=gen)
+    hidden = torch.randn(N, H, generator=gen) + 3 * head[favourites].sum(1) * H ** 0.5 / 4
+    return head, hidden
+
+
+def _bf16_products(head):
+    """The bf16 coarse products the path may be given: torch's, and vLLM's oneDNN GEMM
+    (the engine's on CPU) where this build has it."""
+    bf16 = head.to(torch.bfloat16)
+    products = {"torch": lambda x: x @ bf16.t()}
+    onednn = FixedWeightMatmul(bf16)
+    if onednn.uses_onednn:
+        products["onednn"] = onednn
+    return products
+
+
+def _row_norms(head):
+    return (head.double().norm(dim=1) * (1 + 2.0 ** -20)).float()
+
+
+@pytest.mark.parametrize("N,V", [(1, 3000), (15, 3000), (40, 20500)])
+def test_certified_path_gives_the_fp32_topk(N, V):
+    """Every row's 16 ids and their order are the fp32 product's, whether the window
+    proved them or the row was scored in fp32 whole; with a window of 48 the bound proves
+    most rows here (as on SmolLM2's real rows, 99.86 %, proposer/retrieval_head.py)."""
+    head, hidden = _lm_like_head_and_hidden(V, 128, N, seed=6)
+    exact = (hidden @ head.t()).topk(16, dim=1, sorted=True).indices
+    for name, product in _bf16_products(head).items():
+        found = retrieve_candidates_certified(hidden, head, 16, 48, product, _row_norms(head))
+        assert torch.equal(found.ids, exact), name
+        assert found.decided.float().mean() >= 0.5, (name, found.decided)
+
+
+def test_certified_bound_covers_the_bf16_error():
+    """|coarse - exact| <= bf16_score_error_bound everywhere, exact in float64, on rows of
+    every scale (1e-3 .. 1e3) and a head with rows of norm 1e-2 .. 1e2: the bound is what
+    proves a row, so it must hold for the GEMM the engine runs, not only on average."""
+    gen = torch.Generator().manual_seed(7)
+    V, H = 4000, 576
+    head = torch.randn(V, H, generator=gen) * torch.logspace(-2, 2, V)[:, None] / H ** 0.5
+    hidden = torch.randn(24, H, generator=gen) * torch.logspace(-3, 3, 24)[:, None]
+    exact = hidden.double() @ head.double().t()  # [N, V]
+    for name, product in _bf16_products(head).items():
+        coarse = product(hidden.to(torch.bfloat16)).float()
+        bound = bf16_score_error_bound(hidden.norm(dim=1), _row_norms(head), coarse, H)
+        err = (coarse.double() - exact).abs()
+        assert bool((err <= bound.double()).all()), (name, (err / bound.double()).max())
+    # Not vacuous: random roundings partly cancel (above, the error stays under a tenth of
+    # the bound), but values just below a rounding midpoint all round the same way, and
+    # there the error reaches more than half the bound.
+    x = torch.full((1, H), 1 + 2.0 ** -8 - 2.0 ** -20)  # rounds down to 1 in bf16
+    w = torch.full((8, H), 1 + 2.0 ** -8 - 2.0 ** -20)
+    exact = x.double() @ w.double().t()
+    for name, product in _bf16_products(w).items():
+        coarse = product(x.to(torch.bfloat16)).float()
+        bound = bf16_score_error_bound(x.norm(dim=1), _row_norms(w), coarse, H).double()
+        err = (coarse.double() - exact).abs()
+        assert bool((err <= bound).all()) and (err / bound).min() > 0.5, (name, err / bound)
+
+
+def test_certified_path_scores_unproved_rows_whole():
+    """A window of 16 (no room beyond the kept ids) proves almost nothing: with no wider
+    window those rows go to the fp32 product (`decided` False, `scored_whole` counts
+    them), with one (256) the wider window proves them; the result is the fp32 top 16
+    either way."""
+    head, hidden = _lm_like_head_and_hidden(3000, 128, 12, seed=8)
+    exact = (hidden @ head.t()).topk(16, dim=1, sorted=True).indices
+    product = _bf16_products(head)["torch"]
+    calls = []
+
+    def fp32_rows(x):
+        calls.append(x.shape[0])
+        return x @ head.t()
+
+    found = retrieve_candidates_certified(hidden, head, 16, 16, product, _row_norms(head),
+                                          fp32_rows, wide_window=16)
+    assert torch.equal(found.ids, exact)
+    assert calls == [int((~found.decided).sum())] == [found.scored_whole] and calls[0] >= 6
+    widened = retrieve_candidates_certified(hidden, head, 16, 16, product, _row_norms(head),
+                                            fp32_rows)
+    assert torch.equal(widened.ids, exact) and torch.equal(widened.decided, found.decided)
+    assert widened.scored_whole == 0 and len(calls) == 1
+    whole = retrieve_candidates_certified(hidden, head, 16, 3000, product, _row_norms(head))
+    assert bool(whole.decided.all()) and torch.equal(whole.ids, exact)  # window = V
+
+
+def test_certified_path_rejects_bad_inputs():
+    head, hidden = _lm_like_head_and_hidden(300, 32, 2, seed=9)
+    product = _bf16_products(head)["torch"]
+    with pytest.raises(ValueError, match="head_topk <= window <= vocab_size"):
+        retrieve_candidates_certified(hidden, head, 16, 8, product, _row_norms(head))
+    with pytest.raises(ValueError, match="head_topk <= window <= vocab_size"):
+        retrieve_candidates_certified(hidden, head, 16, 301, product, _row_norms(head))
+    with pytest.raises(ValueError, match="fp32 head with fp32 hidden rows"):
+        retrieve_candidates_certified(hidden, head.bfloat16(), 16, 32, product,
+                                      _row_norms(head))
+
+
+def test_retrieval_head_picks_the_certified_path_on_native_bf16_cpus():
+    """The proposer's choice (proposer/retrieval_head.py): an fp32 head on a CPU with
+    native bf16 is scored by the certified path (any vocabulary size, the drafter's
+    `retrieval_vocab` rows mapped back to ids), elsewhere as before; both give the
+    fp32 top 16."""
+    from vllm_dspine.proposer.retrieval_head import RetrievalHead, native_bf16_cpu
+
+    head, hidden = _lm_like_head_and_hidden(3000, 128, 15, seed=10)
+    vocab = list(range(0, 3000, 2))
+    retrieval = RetrievalHead.build(head, vocab, "auto")
+    exact = torch.tensor(vocab)[(hidden @ head[vocab].t()).topk(16, dim=1).indices]
+    assert torch.equal(retrieval.candidates(hidden, 16, 128), exact)
+    if native_bf16_cpu():
+        assert retrieval.certified_matmul is not None and "proved" in retrieval.describe()
+        assert retrieval.rows_scored_whole <= 2
+    else:
+        assert retrieval.certified_matmul is None
+    assert RetrievalHead.build(head.bfloat16(), None, "auto").certified_matmul is None
 
 
 # ---------------------------------------------------------------- Triton (interpreter)

@@ -227,6 +227,36 @@ def test_same_seed_same_draft_whatever_the_batch():
     assert not torch.equal(a.draft_token_ids[0], c.draft_token_ids[0])
 
 
+@pytest.mark.parametrize("filt", [{}, {"top_p": 0.8}, {"top_k": 5, "min_p": 0.05}])
+def test_batched_walk_equals_the_step_by_step_walk(filt, monkeypatch):
+    """Up to WALK_BATCHED_MAX_REQS requests the reference walk filters every (row,
+    predecessor) distribution before the walk, above it the chosen rows step by step: a
+    request's drafts and q must not depend on which (seeded requests, torch.equal), for
+    a mixed batch of greedy and sampled requests with the request's own filters."""
+    import vllm_dspine.kernels.tail as tail
+
+    n = tail.WALK_BATCHED_MAX_REQS + 2
+    S, cand = _random_tables(n, 15, 16, seed=60, scale=2.0)
+    temperature = torch.tensor([0.0 if i % 4 == 3 else 0.5 + 0.1 * i for i in range(n)])
+    settings = {name: torch.full((n,), float(v)) if name != "top_k"
+                else torch.full((n,), int(v), dtype=torch.long) for name, v in filt.items()}
+
+    def run(rows):
+        gens = [torch.Generator().manual_seed(100 + i) for i in rows]
+        return serial_tail(S[rows], cand[rows], temperature[rows], generators=gens,
+                           **{name: v[rows] for name, v in settings.items()})
+
+    step_by_step = run(list(range(n)))  # above the threshold
+    few = list(range(tail.WALK_BATCHED_MAX_REQS))
+    batched = run(few)
+    assert torch.equal(batched.draft_token_ids, step_by_step.draft_token_ids[few])
+    assert torch.equal(batched.cand_probs, step_by_step.cand_probs[few])
+    monkeypatch.setattr(tail, "WALK_BATCHED_MAX_REQS", 0)  # the same rows step by step
+    again = run(few)
+    assert torch.equal(batched.draft_token_ids, again.draft_token_ids)
+    assert torch.equal(batched.cand_probs, again.cand_probs)
+
+
 def test_bad_sampling_settings_raise():
     S, cand = _random_tables(2, 3, 4, seed=50)
     with pytest.raises(ValueError, match="temperature must be >= 0"):

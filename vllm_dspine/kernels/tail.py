@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_dspine.kernels.bridge_ref import BridgeWeights
+from vllm_dspine.kernels.retrieval_ref import exact_scores_ref
 from vllm_dspine.kernels.tail_ref import (
     LastWriteInputs,
     TailWeights,
@@ -137,9 +138,12 @@ def _tail_score_tables_fast(
     m = torch.sigmoid(recv[:, :, None, :] + scale * pe[..., :M]) \
         * (scale * pe[..., M:])  # [R, K, k(u), M]
 
-    head_g = weights.head_weight[ids].to(dtype) \
-        * weights.norm_weight.to(dtype)  # [R, K, k(v), H]
-    hx = torch.einsum("rtjh,rth->rtj", head_g, x)  # [R, K, k(v)]
+    # <head[v] * g, x> = <head[v], g * x>: the candidates' head rows gathered a few at a
+    # time (exact_scores_ref), never a [R, K, k, H] copy (35 MB in float64 at 32
+    # requests, fresh pages on every call on CPU).
+    xg = x * weights.norm_weight.to(dtype)  # [R, K, H]
+    hx = exact_scores_ref(xg.reshape(R * K, H), weights.head_weight, ids.reshape(R * K, k),
+                          dtype).view(R, K, k)  # [R, K, k(v)]
     hw = tables.head_write[ids].to(dtype)  # [R, K, k(v), M]
     numer = hx[:, :, None, :] + r[:, :, None, None] * torch.einsum(
         "rtim,rtjm->rtij", m, hw)  # [R, K, k(u), k(v)]
@@ -276,6 +280,14 @@ def draw_tail_uniforms(
     return u
 
 
+# Requests up to which the reference walk filters every (row, predecessor) distribution
+# at once (`serial_walk_ref`). Measured (one thread, this project's 2-core CPU, K 15,
+# k 16, T 0.7, top-p 0.95, float64 tables; `python bench/bench_tail.py --dtype fp32
+# --reqs R` shows the same): 0.70 / 1.23 / 1.98 ms at R = 1 / 4 / 8 against 1.97 / 2.11 /
+# 2.21 ms filtering the chosen rows step by step; at R = 32, 6.5 ms against 2.5.
+WALK_BATCHED_MAX_REQS = 8
+
+
 def serial_walk_ref(
     S: torch.Tensor,  # [R, K, k, k]
     cand_ids: torch.Tensor,  # [R, K, k]
@@ -286,38 +298,66 @@ def serial_walk_ref(
     uniforms: torch.Tensor | None,  # [R, >= K] float64; None: no request samples
 ) -> SparseProposal:
     """The walk in PyTorch, row by row (the CPU path; `serial_tail` states the rules):
-    the oracle of `serial_tail_kernel` (tail_walk.py)."""
+    the oracle of `serial_tail_kernel` (tail_walk.py).
+
+    Up to WALK_BATCHED_MAX_REQS requests, every row's distribution for every predecessor
+    (`filter_candidate_probs` of S[r, t, i, :] / T, [R, K, k, k]) is computed in one
+    batched call before the walk, and the serial part only reads the chosen
+    predecessor's row: the same row-wise arithmetic as filtering the chosen row at each
+    step, without 15 serial rounds of the filter's ~25 small ops. Above it, filtering k
+    times the rows costs more than the rounds, and each step filters its chosen rows."""
     R, K, k, _ = S.shape
     device = S.device
     greedy = (temperature < SAMPLING_EPS).to(device)  # [R]
     any_sampled = bool(greedy.logical_not().any())
     assert uniforms is not None or not any_sampled, "sampled requests need uniforms"
     work = S.to(torch.float64) if any_sampled else S  # [R, K, k, k]
-    temp = torch.where(greedy, torch.ones_like(temperature, dtype=torch.float64),
-                       temperature.to(torch.float64))  # [R]
-    u = uniforms[:, :K] if any_sampled else None  # [R, K]
-
     arange_r = torch.arange(R, device=device)
+    batched = R <= WALK_BATCHED_MAX_REQS
+    if batched:
+        best = work.argmax(dim=-1)  # [R, K, k]  greedy choice after each predecessor
+    if any_sampled:
+        temp = torch.where(greedy, torch.ones_like(temperature, dtype=torch.float64),
+                           temperature.to(torch.float64))  # [R]
+        u = uniforms[:, :K]  # [R, K]
+        q_out = torch.empty(R, K, k, dtype=torch.float64, device=device)  # [R, K, k]
+    if any_sampled and batched:
+        per_row = K * k  # filter settings per request -> per (t, predecessor) row
+
+        def rows(v: torch.Tensor | None) -> torch.Tensor | None:
+            return None if v is None else v.repeat_interleave(per_row)  # [R * K * k]
+
+        q_all = filter_candidate_probs((work / temp[:, None, None, None]).reshape(-1, k),
+                                       rows(top_k), rows(top_p), rows(min_p)
+                                       ).view(R, K, k, k)  # [R, K, k(u), k(v)]
+        cdf_all = q_all.cumsum(dim=-1)  # [R, K, k, k]
+
     prev = torch.zeros(R, dtype=torch.long, device=device)  # j_{t-1}; 0 stands for the anchor
     chosen = torch.empty(R, K, dtype=torch.long, device=device)
-    probs_out = torch.empty(R, K, k, dtype=torch.float32, device=device)
     for t in range(K):
-        row = work[arange_r, t, prev]  # [R, k]  S_t(j_{t-1}, .)
-        j_greedy = row.argmax(dim=-1)  # [R]
-        one_hot = torch.nn.functional.one_hot(j_greedy, k).to(torch.float32)  # [R, k]
+        row = None if batched else work[arange_r, t, prev]  # [R, k]  S_t(j_{t-1}, .)
+        j = best[arange_r, t, prev] if batched else row.argmax(dim=-1)  # [R]
         if any_sampled:
-            q = filter_candidate_probs(row / temp[:, None], top_k, top_p, min_p)  # [R, k]
-            cdf = q.cumsum(dim=-1)  # [R, k]
+            if batched:
+                cdf = cdf_all[arange_r, t, prev]  # [R, k]
+            else:
+                q = filter_candidate_probs(row / temp[:, None], top_k, top_p, min_p)  # [R, k]
+                q_out[:, t] = q
+                cdf = q.cumsum(dim=-1)  # [R, k]
             # Inverse CDF: j = #{cdf_j <= u * total}; an entry of probability 0 has an
             # empty interval and is never chosen, and j <= k - 1 because u < 1.
             j_sampled = (cdf <= (u[:, t] * cdf[:, -1])[:, None]).sum(dim=-1).clamp(max=k - 1)
-            j = torch.where(greedy, j_greedy, j_sampled)
-            probs = torch.where(greedy[:, None], one_hot, q.to(torch.float32))
-        else:
-            j, probs = j_greedy, one_hot
+            j = torch.where(greedy, j, j_sampled)
         chosen[:, t] = j
-        probs_out[:, t] = probs
         prev = j
+    one_hot = torch.nn.functional.one_hot(chosen, k).to(torch.float32)  # [R, K, k]
+    if any_sampled and batched:
+        # The distribution each draft was drawn from: its row after the chosen predecessor.
+        prevs = torch.cat([torch.zeros(R, 1, dtype=torch.long, device=device),
+                           chosen[:, :-1]], dim=1)  # [R, K]
+        q_out = q_all.gather(2, prevs[:, :, None, None].expand(R, K, 1, k)).squeeze(2)
+    probs_out = (torch.where(greedy[:, None, None], one_hot, q_out.to(torch.float32))
+                 if any_sampled else one_hot)  # [R, K, k]
     ids = cand_ids.long()
     draft = ids.gather(2, chosen[:, :, None]).squeeze(2)  # [R, K]
     return SparseProposal(draft_token_ids=draft, cand_ids=ids, cand_probs=probs_out)
