@@ -3,11 +3,12 @@
 vLLM's own linear layers on CPU run through a oneDNN handle built once per weight
 (`vllm._custom_ops.create_onednn_mm`, see `dispatch_cpu_unquantized_gemm`); a plain
 `torch.nn.functional.linear` there goes through MKL, which at the few rows a draft
-block has is 1.2-4x slower. Measured (bench/bench_cpu_ops.py: one thread, this
-project's 2-core CPU, fp32, `[6227, 576]` retrieval head): F.linear 2.03 / 4.53 / 6.50 /
-6.21 ms for 1 / 2 / 3 / 16 rows, oneDNN 1.68 / 2.09 / 1.61 / 2.32 ms (docs/kernels.md,
-"CPU GEMMs"). The drafter's retrieval scores its whole head every drafted step, so this is
-its largest single product after the layers.
+block has is 1.3-2.4x slower. Measured (bench/bench_cpu_ops.py: one thread, this
+project's 2-core CPU, fp32, the `[20500, 576]` retrieval head of SmolLM2's drafter, the
+top 16 of each row included): F.linear 4.18 / 8.95 / 6.69 / 7.58 / 10.49 ms for 1 / 2 /
+4 / 8 / 15 rows, oneDNN 3.27 / 3.87 / 2.76 / 3.68 / 5.16 ms (docs/benchmarks.md,
+"bench_cpu_ops"). The drafter's retrieval scores its whole head every drafted step, so
+this is its largest single product after the layers.
 
 Off CPU, for dtypes oneDNN does not take, or when vLLM's build lacks oneDNN, the call
 is `F.linear` itself. The two differ only in floating-point summation order.

@@ -222,8 +222,8 @@ def retrieve_candidates(
     product itself, which is exact and needs no rescoring. The result is the exact top
     `head_topk` unless bf16 rounding pushes one of them below the `coarse_topk`-th.
     `head_matmul`, when given, computes that full-vocabulary product `x @ head_weight.T`
-    (`cpu_gemm.FixedWeightMatmul`: vLLM's oneDNN path on CPU, 2.2-4x faster than
-    torch's at 2-16 rows, bench/bench_cpu_ops.py). `use_triton`: see `fp8_head_scores`.
+    (`cpu_gemm.FixedWeightMatmul`: vLLM's oneDNN path on CPU, 2.0-2.4x faster than
+    torch's at 2-15 rows, bench/bench_cpu_ops.py). `use_triton`: see `fp8_head_scores`.
     mode "auto": "fp8" where an FP8Head is given and the device has FP8 support (CUDA,
     sm >= 8.9), else "bf16".  Returns cand_ids [N, head_topk] int64.
     """
