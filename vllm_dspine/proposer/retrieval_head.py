@@ -114,7 +114,7 @@ class RetrievalHead:
             return "fp8+rescore"
         if self.certified_matmul is not None:
             return (f"bf16 copy of the fp32 head (oneDNN), best {CERTIFIED_WINDOW} rescored, "
-                    f"the fp32 top candidates proved per row")
+                    "the fp32 top candidates proved per row")
         if self.coarse_head is not None:
             return "bf16 copy of the fp32 head+rescore"
         return f"{str(self.weight.dtype).replace('torch.', '')} full vocab"
