@@ -83,12 +83,11 @@ def retrieval_head(rounds: int, sizes: list[int], head: torch.Tensor, rows: torc
     F.linear + top 16, vLLM's oneDNN fp32 GEMM + top 16 (the path of a CPU without native
     bf16), and the certified bf16 path (`RetrievalHead` on a CPU with native bf16). Also
     the shares of `rows` its window of 48 proves, and it or the window of 256."""
+    from vllm_dspine.kernels.cpu_gemm import FixedWeightMatmul
     from vllm_dspine.proposer.retrieval_head import RetrievalHead
 
-    fp32 = RetrievalHead(head, None, None, None, None)
-    from vllm_dspine.kernels.cpu_gemm import FixedWeightMatmul
-
-    fp32.matmul = FixedWeightMatmul(head)
+    # The fp32 head scored whole through oneDNN (what `build` picks without native bf16).
+    fp32 = RetrievalHead(head, None, None, None, FixedWeightMatmul(head))
     assert fp32.matmul.uses_onednn, "vLLM's oneDNN matmul is not available in this build"
     certified = RetrievalHead.build(head, None, "auto")
     assert certified.certified_matmul is not None, "this CPU has no native bf16"
@@ -118,8 +117,8 @@ def retrieval_rows(target: str | None, vocab: list[int] | None, final: torch.Ten
                    ) -> tuple[torch.Tensor, torch.Tensor, str]:
     """The retrieval head and rows to score: SmolLM2's own head restricted to the
     committed drafter's retrieval vocabulary, and the target's final-normed hidden states
-    (stand-ins for the drafter's proposal rows, which are trained to resemble them), when
-    the pair is there; else random ones of the same shape."""
+    (stand-ins for the drafter's proposal rows: the same head scores both), when the pair
+    is there; else random ones of the same shape."""
     if target is not None and vocab is not None and final is not None:
         from safetensors.torch import load_file
 
@@ -138,8 +137,6 @@ def target_logits(target: str, corpus: str, seqs: int) -> tuple[torch.Tensor, to
     """The target's own logits at temperature 0.7 on the answers of the first `seqs`
     sequences of the corpus's last shard (chat-heavy), [rows, vocab], and its final-normed
     hidden states there, [rows, H]."""
-    import json
-
     import numpy as np
     from transformers import AutoModelForCausalLM
 

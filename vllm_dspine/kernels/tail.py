@@ -320,6 +320,7 @@ def serial_walk_ref(
         temp = torch.where(greedy, torch.ones_like(temperature, dtype=torch.float64),
                            temperature.to(torch.float64))  # [R]
         u = uniforms[:, :K]  # [R, K]
+    if any_sampled and not batched:
         q_out = torch.empty(R, K, k, dtype=torch.float64, device=device)  # [R, K, k]
     if any_sampled and batched:
         per_row = K * k  # filter settings per request -> per (t, predecessor) row

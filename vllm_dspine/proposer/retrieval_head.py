@@ -88,11 +88,10 @@ class RetrievalHead:
             fp8_head = FP8Head.from_head(weight)
         elif (head.dtype == torch.float32 and mode != "fp8" and head.device.type == "cpu"
               and native_bf16_cpu() and weight.shape[0] >= CERTIFIED_WINDOW):
+            # The fp32 head itself (`matmul`, below) scores the rows it does not prove.
             certified_matmul = FixedWeightMatmul(weight.to(torch.bfloat16).contiguous())
             # Norms in float64, rounded up past fp32's rounding: upper bounds.
             row_norms = (weight.double().norm(dim=1) * (1 + 2.0 ** -20)).float()
-            matmul = FixedWeightMatmul(weight)
-            return cls(weight, token_ids, None, None, matmul, certified_matmul, row_norms)
         elif (head.dtype == torch.float32 and mode != "fp8"
               and weight.shape[0] > EXACT_FP32_MAX_VOCAB):
             # An fp32 model (CPU): coarse scores from a bf16 copy of the head, the best
@@ -103,7 +102,8 @@ class RetrievalHead:
             # The whole head is scored in its own dtype: vLLM's oneDNN matmul on CPU
             # (kernels/cpu_gemm.py), torch's elsewhere.
             matmul = FixedWeightMatmul(weight)
-        return cls(weight, token_ids, fp8_head, coarse_head, matmul)
+        return cls(weight, token_ids, fp8_head, coarse_head, matmul, certified_matmul,
+                   row_norms)
 
     @property
     def num_rows(self) -> int:
