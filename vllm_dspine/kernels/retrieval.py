@@ -294,8 +294,8 @@ def bf16_score_error_bound(
     u = BF16_UNIT_ROUNDOFF
     per_norm = (2 * u + u * u) + _fp32_sum_gamma(hidden_size) * (1 + u) ** 2 + _BOUND_SLACK
     per_score = u / (1 - u) + _BOUND_SLACK
-    # One [N, V] buffer, updated in place (fresh [N, V] temporaries per step made the
-    # time per call vary 1.5x on CPU at 60 rows).
+    # One [N, V] buffer, updated in place: fresh [N, V] temporaries are fresh pages on
+    # every call on CPU (see exact_scores_ref).
     bound = coarse.abs().mul_(per_score).add_(hidden_size * 2.0 ** -126)
     return bound.addr_(hidden_norm * per_norm, row_norms)
 

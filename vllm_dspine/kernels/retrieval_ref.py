@@ -107,11 +107,11 @@ def exact_scores_ref(
     x = hidden.to(dtype)
     if head_weight.device.type != "cpu":
         return torch.einsum("nkh,nh->nk", head_weight[ids].to(dtype), x)
-    # On CPU: index_select of the flat ids (~5x faster than advanced indexing), then the
-    # element-wise product and sum (1.5-3x faster than einsum's batched matmul at a
-    # step's rows), a few rows at a time: temporaries of more than a few MB are fresh
-    # pages on every call, and at 60 rows x 48 ids x 576 the page faults made the
-    # rescore 60x slower than at 15 rows (one thread, this project's CPU).
+    # On CPU: index_select of the flat ids (faster than advanced indexing here), then the
+    # element-wise product and sum (faster than einsum's batched matmul at a step's
+    # rows), a few rows at a time: temporaries of more than a few MB are fresh pages on
+    # every call, whose faults made the rescore of 60 rows x 48 ids x 576 far slower per
+    # row than that of 15 (one thread, this project's CPU; seen with a scratch timer).
     H = head_weight.shape[1]
     chunk = max(1, _RESCORE_ELEMENTS // (n * H))
     out = torch.empty(N, n, dtype=dtype, device=x.device)

@@ -281,10 +281,12 @@ def draw_tail_uniforms(
 
 
 # Requests up to which the reference walk filters every (row, predecessor) distribution
-# at once (`serial_walk_ref`). Measured (one thread, this project's 2-core CPU, K 15,
-# k 16, T 0.7, top-p 0.95, float64 tables; `python bench/bench_tail.py --dtype fp32
-# --reqs R` shows the same): 0.70 / 1.23 / 1.98 ms at R = 1 / 4 / 8 against 1.97 / 2.11 /
-# 2.21 ms filtering the chosen rows step by step; at R = 32, 6.5 ms against 2.5.
+# at once (`serial_walk_ref`). Measured with `python bench/bench_tail.py --dtype fp32
+# --hidden 576 --code 256 --message 128 --vocab 20500 --reqs R --no-docs` (one thread,
+# this project's 2-core CPU, the sampled walk at T 1, top-p 0.9): 0.8 / 1.3 / 1.8 ms at
+# R = 1 / 4 / 8 against 2.1 / 2.3 / 2.3 ms filtering the chosen rows step by step (the
+# same command at 6da3e1e). Above 8, filtering k times the rows costs more than the
+# rounds it saves (a scratch timer at R = 32), so those steps filter their chosen rows.
 WALK_BATCHED_MAX_REQS = 8
 
 
