@@ -6,6 +6,8 @@ docs/verify.md and docs/kernels.md come from this script):
      vLLM's oneDNN handles, weights streamed from memory, for M = 1 .. 16 rows (the
      target tokens of a step at concurrency 1: 1 + verified drafts). Shows why the
      step-cost curve is not made monotonic (proposer/dynamic.py, MeasuredStepCost).
+  1b. the drafter's 3 layers (the target's shapes) at the rows of a draft block: vLLM's
+     oneDNN fp32 handle against `Bf16Linear` (`dspine_draft_gemm` bf16).
   2. candidate retrieval over SmolLM2's head restricted to the committed drafter's
      retrieval vocabulary (20,500 ids), rows from the target's final hidden states:
      torch's F.linear (MKL), `FixedWeightMatmul` (vLLM's oneDNN fp32, kernels/cpu_gemm.py)
@@ -18,10 +20,11 @@ docs/verify.md and docs/kernels.md come from this script):
      (`apply_top_k_top_p_values_sorted`: the 256 largest values where they decide, the
      sort for the rest); all three return the same tensor.
   4. the whole verification sampler of a step (`SparseRejectionSampler`) at
-     temperature 0.7 / top-p 0.95, vocabulary 49,152, R requests of which d verify one
-     draft each: the exponentials of the recovered tokens drawn for every request (vLLM's
-     order) against the drafted requests only (`generate_inv_exp(...,
-     drafted_only=True)`, what serving runs). d = 0 is plain decoding's path.
+     temperature 0.7 / top-p 0.95, vocabulary 49,152, R requests of which d verify k
+     drafts each: the exponentials of the recovered tokens drawn for every request
+     (vLLM's order, `recovered_draw = "vllm"`), for the drafted requests only
+     (`"drafted"`), and one uniform per drafted request, the recovered token by inverse
+     CDF (`"inverse_cdf"`, what serving runs). d = 0 is plain decoding's path.
 
 Sizes are interleaved round by round and the median taken (this machine's speed drifts).
 
@@ -75,6 +78,37 @@ def target_layers(rounds: int, sizes: list[int]) -> dict[int, float]:
                     ops.onednn_mm(h, xs[M][K], None)
             times[M].append(time.perf_counter() - t0)
     return {M: _median_ms(t) for M, t in times.items()}
+
+
+def drafter_layers(rounds: int, sizes: list[int], num_layers: int = 3
+                   ) -> dict[int, tuple[float, float]]:
+    """The SmolLM2 drafter's layer products (its `num_layers` layers have the target's
+    shapes, LAYER_SHAPES) for M block rows: vLLM's oneDNN fp32 handle (what an fp32
+    engine builds) against `Bf16Linear` (`dspine_draft_gemm` bf16, kernels/cpu_gemm.py)."""
+    from vllm import _custom_ops as ops
+
+    from vllm_dspine.kernels.cpu_gemm import Bf16Linear
+
+    g = torch.Generator().manual_seed(1)
+    weights = [[torch.randn(N, K, generator=g) * 0.02 for K, N in LAYER_SHAPES]
+               for _ in range(num_layers)]
+    fp32 = [[(ops.create_onednn_mm(w.t(), 32), w.shape[1]) for w in ws] for ws in weights]
+    bf16 = [[(Bf16Linear(w), w.shape[1]) for w in ws] for ws in weights]
+    xs = {M: {K: torch.randn(M, K, generator=g) for K in (576, 1536)} for M in sizes}
+    times: dict[int, tuple[list[float], list[float]]] = {M: ([], []) for M in sizes}
+    for _ in range(rounds):
+        for M in sizes:
+            t0 = time.perf_counter()
+            for handles in fp32:
+                for h, K in handles:
+                    ops.onednn_mm(h, xs[M][K], None)
+            t1 = time.perf_counter()
+            for linears in bf16:
+                for linear, K in linears:
+                    linear(xs[M][K])
+            times[M][0].append(t1 - t0)
+            times[M][1].append(time.perf_counter() - t1)
+    return {M: (_median_ms(a), _median_ms(b)) for M, (a, b) in times.items()}
 
 
 def retrieval_head(rounds: int, sizes: list[int], head: torch.Tensor, rows: torch.Tensor
@@ -207,8 +241,11 @@ def top_p_rows(rounds: int, sizes: list[int], real: torch.Tensor | None
     return {key: tuple(_median_ms(t) for t in ts) for key, ts in times.items()}, shares
 
 
-def sampler_steps(rounds: int, cases: list[tuple[int, int]]
-                  ) -> dict[tuple[int, int], tuple[float, float]]:
+SAMPLER_DRAWS = ("vllm", "drafted", "inverse_cdf")
+
+
+def sampler_steps(rounds: int, cases: list[tuple[int, int, int]]
+                  ) -> dict[tuple[int, int, int], tuple[float, ...]]:
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.sampler import Sampler
@@ -219,24 +256,27 @@ def sampler_steps(rounds: int, cases: list[tuple[int, int]]
 
     vocab = 49152
     g = torch.Generator().manual_seed(3)
-    samplers = (SparseRejectionSampler(Sampler()), SparseRejectionSampler(Sampler()))
-    samplers[0].drafted_only_exponentials = False  # vLLM's order: every row
-    times = {c: ([], []) for c in cases}
+    samplers = []
+    for draw in SAMPLER_DRAWS:
+        samplers.append(SparseRejectionSampler(Sampler()))
+        samplers[-1].recovered_draw = draw
+    times = {c: tuple([] for _ in samplers) for c in cases}
     for _ in range(rounds):
-        for R, d in cases:
-            num_draft = [1] * d + [0] * (R - d)
+        for R, d, k in cases:
+            num_draft = [k] * d + [0] * (R - d)
             # Rows: each request's drafts, then its bonus row (vLLM's layout).
-            target = [i * 2 for i in range(d)]
-            bonus = [i * 2 + 1 for i in range(d)] + list(range(2 * d, d + R))
+            target = [i * (k + 1) + j for i in range(d) for j in range(k)]
+            bonus = [i * (k + 1) + k for i in range(d)] + list(range(d * (k + 1), d * k + R))
+            rows = d * k  # draft rows
             meta = SpecDecodeMetadata(
-                draft_token_ids=torch.randint(vocab, (d,), generator=g, dtype=torch.int32),
+                draft_token_ids=torch.randint(vocab, (rows,), generator=g, dtype=torch.int32),
                 num_draft_tokens=num_draft,
                 cu_num_draft_tokens=torch.tensor(num_draft).cumsum(0).to(torch.int32),
                 cu_num_sampled_tokens=torch.tensor([n + 1 for n in num_draft]).cumsum(0)
                 .to(torch.int32),
                 target_logits_indices=torch.tensor(target, dtype=torch.int32),
                 bonus_logits_indices=torch.tensor(bonus, dtype=torch.int32),
-                logits_indices=torch.arange(d + R, dtype=torch.int32))
+                logits_indices=torch.arange(rows + R, dtype=torch.int32))
             sm = SamplingMetadata(
                 temperature=torch.full((R,), 0.7), all_greedy=False, all_random=True,
                 top_p=torch.full((R,), 0.95), top_k=None, generators={},
@@ -246,16 +286,16 @@ def sampler_steps(rounds: int, cases: list[tuple[int, int]]
                 output_token_ids=[[] for _ in range(R)], allowed_token_ids_mask=None,
                 bad_words_token_ids={}, logitsprocs=LogitsProcessors(),
                 spec_token_ids=[[0] * n for n in num_draft])
-            logits = language_model_logits(d + R, vocab, g, temperature=1.0)
+            logits = language_model_logits(rows + R, vocab, g, temperature=1.0)
             cand_ids = torch.stack([torch.randperm(vocab, generator=g)[:16]
-                                    for _ in range(d)]) if d else torch.zeros(0, 16).long()
-            cand_probs = torch.full((d, 16), 1 / 16)
+                                    for _ in range(rows)]) if rows else torch.zeros(0, 16).long()
+            cand_probs = torch.full((rows, 16), 1 / 16)
             for i, sampler in enumerate(samplers):
                 x = logits.clone()
                 t0 = time.perf_counter()
                 sampler(meta, cand_ids, cand_probs, x, sm)
-                times[(R, d)][i].append(time.perf_counter() - t0)
-    return {c: (_median_ms(a), _median_ms(b)) for c, (a, b) in times.items()}
+                times[(R, d, k)][i].append(time.perf_counter() - t0)
+    return {c: tuple(_median_ms(t) for t in ts) for c, ts in times.items()}
 
 
 def main() -> None:
@@ -278,6 +318,8 @@ def main() -> None:
     t0 = time.time()
     layer_sizes = [1, 2, 3, 4, 5, 6, 8, 9, 16]
     layers = target_layers(args.rounds, layer_sizes)
+    draft_sizes = [1, 4, 16, 20, 32]
+    draft = drafter_layers(args.rounds * 4, draft_sizes)
     have_target = pathlib.Path(args.target, "config.json").exists()
     real, final = (target_logits(args.target, args.corpus, args.target_seqs)
                    if have_target else (None, None))
@@ -289,7 +331,9 @@ def main() -> None:
     head, proved = retrieval_head(args.rounds * 4, [1, 2, 4, 8, 15, 60], ret_head, ret_rows)
     top_p, shares = top_p_rows(max(3, args.rounds // 3), [1, 4, 16], real)
     steps = sampler_steps(max(3, args.rounds // 3),
-                          [(8, 0), (8, 1), (8, 2), (32, 0), (32, 1), (32, 4)])
+                          [(1, 0, 0), (1, 1, 2), (1, 1, 4), (8, 0, 0), (8, 1, 1),
+                           (8, 2, 1), (8, 4, 2), (32, 0, 0), (32, 1, 1), (32, 4, 1),
+                           (32, 16, 2)])
     cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
     out = [f"### CPU operations of a DSpine step (bench/bench_cpu_ops.py), "
            f"{datetime.date.today().isoformat()}\n",
@@ -303,6 +347,14 @@ def main() -> None:
            "| M | " + " | ".join(str(M) for M in layer_sizes) + " |",
            "| --- |" + " ---: |" * len(layer_sizes),
            "| ms | " + " | ".join(f"{layers[M]:.1f}" for M in layer_sizes) + " |\n",
+           "The SmolLM2 drafter's 3 layers (the same shapes; GEMMs only), by block rows M "
+           "(16 at concurrency 1, plus the step's context rows): vLLM's oneDNN fp32 handle "
+           "(an fp32 engine's) against `Bf16Linear` (`dspine_draft_gemm` bf16: weight and "
+           "input rounded to bf16, fp32 sums, the input's cast included), ms:\n",
+           "| M | oneDNN fp32 | Bf16Linear | fp32 / bf16 |",
+           "| ---: | ---: | ---: | ---: |",
+           *[f"| {M} | {a:.2f} | {b:.2f} | {a / b:.2f}x |" for M, (a, b) in draft.items()],
+           "",
            f"Candidate retrieval (the 16 best ids of each row, fp32 head "
            f"{list(ret_head.shape)}; {ret_what}), ms: torch's F.linear, vLLM's oneDNN fp32 "
            f"GEMM (`FixedWeightMatmul`, a CPU without native bf16), and the bf16 copy through "
@@ -334,13 +386,15 @@ def main() -> None:
     out += ["", "The verification sampler of one step (`SparseRejectionSampler`, bonus rows "
             "through vLLM's sampler as in plain decoding), temperature 0.7, top-p 0.95, "
             "vocabulary 49,152, logits shaped like a language model's: R requests, d of them "
-            "verifying one draft; the exponentials "
-            "of the recovered tokens drawn for all R requests (vLLM's order) or for the d "
-            "drafted ones (serving), ms:\n",
-            "| R | d | exponentials for all R | for the d drafted | ratio |",
-            "| ---: | ---: | ---: | ---: | ---: |"]
-    out += [f"| {R} | {d} | {a:.1f} | {b:.1f} | {a / b:.2f}x |"
-            for (R, d), (a, b) in steps.items()]
+            "verifying k drafts; the recovered tokens' exponentials drawn for all R requests "
+            "(vLLM's order) or for the d drafted ones, or one uniform per drafted request and "
+            "the inverse CDF of the residual, the rows verified position by position "
+            "(serving), ms:\n",
+            "| R | d | k | exponentials for all R | for the d drafted | inverse CDF | "
+            "all R / inverse CDF |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    out += [f"| {R} | {d} | {k} | {a:.1f} | {b:.1f} | {c:.1f} | {a / c:.2f}x |"
+            for (R, d, k), (a, b, c) in steps.items()]
     body = "\n".join(out) + "\n"
     print(body)
     if not args.no_doc:

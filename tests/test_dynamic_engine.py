@@ -189,7 +189,7 @@ def test_batch_size_schedule_is_exact(engines, pair, plain_llm, tmp_path):
               for i in range(len(prompts))]
     plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params)]
     with engines.private(pair.target_dir, dspine_spec(
-            pair.draft_dir, dspine_verify="fixed",
+            pair.draft_dir, dspine_verify="fixed", dspine_draft_gemm="fp32",
             num_speculative_tokens_per_batch_size=SCHEDULE), dump_dir=dump_dir) as llm:
         before = verified_hist(llm)
         outs = llm.generate(prompts, params)
@@ -232,7 +232,8 @@ def test_retrieval_vocab_restricts_the_candidates(engines, pair, plain_llm, tmp_
     prompts = prompts_of_lengths(6, longest=60)
     params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * len(prompts)
     plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params)]
-    with engines.private(pair.target_dir, dspine_spec(str(draft), dspine_verify="fixed"),
+    with engines.private(pair.target_dir, dspine_spec(str(draft), dspine_verify="fixed",
+                                                      dspine_draft_gemm="fp32"),
                          dump_dir=dump_dir) as llm:
         outs = llm.generate(prompts, params)
     for i, (a, o) in enumerate(zip(plain, outs)):

@@ -127,9 +127,9 @@ CASES = [
 @pytest.mark.parametrize("opts", CASES)
 def test_matches_vllm_rejection_sampler(opts, monkeypatch):
     monkeypatch.setattr(vllm_rs, "expand_batch_to_tokens", _expand_fixed)
-    # Token for token needs vLLM's draws of the global RNG: serving draws the
-    # exponentials of drafted requests only (test_exponentials_only_for_drafted_rows).
-    monkeypatch.setattr(SparseRejectionSampler, "drafted_only_exponentials", False)
+    # Token for token needs vLLM's draws of the global RNG: serving draws one uniform
+    # per drafted request instead (test_recovered_by_inverse_cdf_in_the_sampler).
+    monkeypatch.setattr(SparseRejectionSampler, "recovered_draw", "vllm")
     # vLLM's logprob ranks go through torch.compile (~50 s to compile here); eager
     # gives the same numbers.
     with torch._dynamo.config.patch(disable=True):
@@ -393,6 +393,7 @@ def test_exponentials_only_for_drafted_rows(monkeypatch):
     assert abs((u < 0.1).double().mean().item() - 0.1) < 0.001  # the lower tail too
 
     monkeypatch.setattr(vllm_rs, "expand_batch_to_tokens", _expand_fixed)
+    monkeypatch.setattr(SparseRejectionSampler, "recovered_draw", "drafted")
     num_draft_tokens = [15, 0, 4, 0, 7]
     vocab_size = 300
     logits, meta, drafts, q = _batch(num_draft_tokens, vocab_size, seed=3)
@@ -414,3 +415,115 @@ def test_exponentials_only_for_drafted_rows(monkeypatch):
         emitted = (got_out.sampled_token_ids >= 0).sum(dim=1)
         num_rejections += int((emitted <= torch.tensor(num_draft_tokens))[[0, 2, 4]].sum())
     assert num_rejections >= 3  # recovered tokens (the exponentials) were compared
+
+
+def test_recovered_by_inverse_cdf_in_the_sampler(monkeypatch):
+    """Serving's draw (`recovered_draw = "inverse_cdf"`, one uniform per drafted request;
+    its law is tests/test_verify_ref.py::test_inverse_cdf_*): the acceptance is the
+    "drafted" draw's, decision for decision (the per-draft uniforms come first from the
+    same streams); a seeded request gives the same tokens whatever the global RNG did;
+    a seeded request without drafts leaves its generator untouched; every token is in
+    the support of its processed row (top-p 0.5 here masks most of the vocabulary)."""
+    monkeypatch.setattr(vllm_rs, "expand_batch_to_tokens", _expand_fixed)
+    num_draft_tokens = [15, 0, 4, 0, 7]
+    vocab_size = 300
+    logits, meta, drafts, q = _batch(num_draft_tokens, vocab_size, seed=4)
+    num_rejections = 0
+    for trial in range(8):
+        outs = {}
+        for draw, global_seed in (("drafted", trial), ("inverse_cdf", trial),
+                                  ("inverse_cdf", 1000 + trial)):
+            monkeypatch.setattr(SparseRejectionSampler, "recovered_draw", draw)
+            torch.manual_seed(global_seed)
+            gens = {i: torch.Generator().manual_seed(31 * trial + i) for i in (0, 1, 4)}
+            sm = _sampling_metadata([0.7, 1.0, 1.3, 0.5, 1.0], vocab_size, gens,
+                                    top_p=torch.full((5,), 0.5), drafts=drafts)
+            out = SparseRejectionSampler(Sampler())(
+                meta, q.cand_ids, q.cand_probs, logits.clone(), sm).sampled_token_ids
+            outs[draw, global_seed] = out
+            # Request 1 is seeded and has no draft: only its bonus draw touched it,
+            # the same one plain decoding makes.
+            assert gens[1].initial_seed() == 31 * trial + 1
+        drafted, inv, inv_other = (outs["drafted", trial], outs["inverse_cdf", trial],
+                                   outs["inverse_cdf", 1000 + trial])
+        for r, n in enumerate(num_draft_tokens):
+            accepted = int((drafted[r, :n] == torch.tensor(drafts[r], dtype=torch.int32))
+                           .cumprod(0).sum()) if n else 0
+            got = int((inv[r, :n] == torch.tensor(drafts[r], dtype=torch.int32))
+                      .cumprod(0).sum()) if n else 0
+            assert got == accepted, (trial, r)  # the same acceptance decisions
+            num_rejections += int(n > 0 and accepted < n)
+        for r in (0, 4):  # seeded, drafted: the global RNG does not reach them
+            assert torch.equal(inv[r], inv_other[r]), (trial, r)
+        # Every emitted token has probability > 0 under its processed row.
+        target = logits[meta.target_logits_indices.long()] / torch.tensor(
+            [t for t, n in zip([0.7, 1.0, 1.3, 0.5, 1.0], num_draft_tokens)
+             for _ in range(n)])[:, None]
+        kept = apply_top_k_top_p(target.clone(), None, torch.full((target.shape[0],), 0.5))
+        row = 0
+        for r, n in enumerate(num_draft_tokens):
+            for j in range(n):
+                tok = int(inv[r, j])
+                if tok >= 0:
+                    assert torch.isfinite(kept[row + j, tok]), (trial, r, j, tok)
+            row += n
+    assert num_rejections >= 10  # recovered tokens were drawn
+
+
+@pytest.mark.parametrize("case", ["top-p", "top-k-top-p", "temperature-only", "flat-top-p",
+                                  "invalid-q"])
+def test_row_by_row_gives_the_whole_batch_tokens(case, monkeypatch):
+    """Verifying position by position (rows after a request's first rejection never
+    processed) gives the tokens of processing every draft row, bit for bit: 10 batches
+    a case of 8 requests (0-15 drafts, some seeded) under the same RNG state; with top-p
+    (the fast path of top_k_top_p.py), top-k and top-p (the sorted path), temperature
+    alone, flat rows (the cut beyond the 256 largest values), and q rows holding NaN.
+    The step is one `verifies_row_by_row` accepts, and later positions are reached."""
+    monkeypatch.setattr(vllm_rs, "expand_batch_to_tokens", _expand_fixed)
+    num_draft_tokens = [15, 0, 4, 1, 7, 0, 15, 2]
+    vocab_size = 2000 if case == "flat-top-p" else 600
+    reached = 0
+    for trial in range(10):
+        logits, meta, drafts, q = _batch(num_draft_tokens, vocab_size, seed=50 + trial)
+        if case == "flat-top-p":
+            logits = logits * 0.05
+        ids, probs = q.cand_ids.clone(), q.cand_probs.clone()
+        if case == "invalid-q":
+            probs[::5, 2] = float("nan")
+        temps = [0.7, 1.0, 1.3, 0.5, 1.0, 0.9, 0.8, 2.0]
+        outs = []
+        for row_by_row in (False, True):
+            monkeypatch.setattr(SparseRejectionSampler, "row_by_row", row_by_row)
+            torch.manual_seed(trial)
+            gens = {i: torch.Generator().manual_seed(7 * trial + i) for i in (2, 5, 6)}
+            sm = _sampling_metadata(
+                temps, vocab_size, gens, drafts=drafts,
+                top_k=torch.tensor([5, 600, 50, 3, 300, 10, 20, 40])
+                if case == "top-k-top-p" else None,
+                top_p=None if case == "temperature-only"
+                else torch.tensor([0.95, 0.9, 0.5, 1.0, 0.8, 0.95, 0.99, 0.7]))
+            sampler = SparseRejectionSampler(Sampler())
+            assert sampler.verifies_row_by_row(sm, logits) == row_by_row
+            outs.append(sampler(meta, ids, probs, logits.clone(), sm).sampled_token_ids)
+        assert torch.equal(outs[0], outs[1]), (case, trial)
+        reached += int((outs[1][:, 2:] >= 0).sum())
+    # Positions past the second were verified (not on flat rows, which accept almost
+    # nothing: q is drawn near the unscaled logits; they check the sorted top-p path).
+    assert case == "flat-top-p" or reached > 4
+
+
+def test_row_by_row_only_where_it_applies():
+    """Logprobs, penalties, a greedy request or min-p keep the whole-batch path."""
+    vocab_size = 50
+    logits = torch.randn(4, vocab_size)
+    plain = _sampling_metadata([0.7, 1.0], vocab_size, {})
+    sampler = SparseRejectionSampler(Sampler())
+    assert sampler.verifies_row_by_row(plain, logits)
+    assert not sampler.verifies_row_by_row(
+        _sampling_metadata([0.7, 1.0], vocab_size, {}, max_num_logprobs=2), logits)
+    assert not sampler.verifies_row_by_row(
+        _sampling_metadata([0.7, 1.0], vocab_size, {}, penalties=True), logits)
+    assert not sampler.verifies_row_by_row(
+        _sampling_metadata([0.7, 0.0], vocab_size, {}), logits)
+    sampler.recovered_draw = "drafted"
+    assert not sampler.verifies_row_by_row(plain, logits)

@@ -39,7 +39,10 @@ def dump_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def spec_llm(engines, pair, dump_dir):
     # Each engine of the registry reads its own spec-decode counters (conftest.py).
-    return engines.get(pair.target_dir, dspine_spec(pair.draft_dir, dspine_verify="fixed"),
+    # fp32 layer products: its drafts are compared with the fp32 reference drafter at
+    # 1e-4 (the bf16 products, `dspine_draft_gemm`, are tests/test_cpu_gemm.py's).
+    return engines.get(pair.target_dir, dspine_spec(pair.draft_dir, dspine_verify="fixed",
+                                                    dspine_draft_gemm="fp32"),
                        dump_dir=dump_dir)
 
 
@@ -352,7 +355,9 @@ def test_sliding_window_drafter_matches_reference(engines, tmp_path_factory):
     pair = write_tiny_pair(str(tmp_path_factory.mktemp("pair_sw")), seed=1,
                            draft_sliding_window=32)
     dump_dir = str(tmp_path_factory.mktemp("dspine_dump_sw"))
-    with engines.private(pair.target_dir, dspine_spec(pair.draft_dir), dump_dir=dump_dir,
+    with engines.private(pair.target_dir, dspine_spec(pair.draft_dir,
+                                                      dspine_draft_gemm="fp32"),
+                         dump_dir=dump_dir,
                          max_num_seqs=4) as llm:
         long_prompt = "the quick brown fox jumps over the lazy dog " * 2
         checked = _check_against_reference(pair, llm, dump_dir, [long_prompt, "abc"], 48)

@@ -23,12 +23,14 @@ from torch import nn
 
 from vllm.compilation.decorators import ignore_torch_compile
 from vllm.config import VllmConfig
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.models.qwen3_dflash import (
     DFlashQwen3ForCausalLM,
     DFlashQwen3Model,
 )
 
 from vllm_dspine.hf_config import dspine_config_of
+from vllm_dspine.kernels.cpu_gemm import Bf16Linear, native_bf16_cpu
 from vllm_dspine.kernels.bridge_ref import BridgeWeights
 from vllm_dspine.kernels.tail import LastWriteInputs
 
@@ -95,6 +97,44 @@ class LastWriteHandover:
             raise RuntimeError("DSpine: no block forward ran since the tail's inputs were "
                                "last taken")
         return inputs
+
+
+def layer_gemms_in_bf16(option: str, model_dtype: torch.dtype) -> bool:
+    """Whether the drafter's linear layers multiply in bf16 (`dspine_draft_gemm`):
+    "auto" where the engine runs fp32 on a CPU with native bf16, "bf16" wherever the
+    engine runs fp32 on CPU, "fp32" never. A bf16 engine's layers are bf16 already."""
+    from vllm.platforms import current_platform
+
+    if option == "fp32" or model_dtype != torch.float32 or not current_platform.is_cpu():
+        return False
+    return option == "bf16" or native_bf16_cpu()
+
+
+class Bf16CpuLinearMethod(UnquantizedLinearMethod):
+    """vLLM's unquantized method whose CPU product runs in bf16 (`Bf16Linear`): vLLM's
+    own dispatch runs first (it builds its fp32 handle and frees the weight), then the
+    layer's `cpu_linear` is replaced by the product with the bf16 copy taken at load."""
+
+    def __init__(self, weight: torch.Tensor):  # [N, K] the loaded weight
+        super().__init__()
+        self.bf16_linear = Bf16Linear(weight)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        super().process_weights_after_loading(layer)
+        linear = self.bf16_linear
+        layer.cpu_linear = lambda x, weight, bias: linear(x, bias)
+
+
+def use_bf16_layer_gemms(model: nn.Module) -> int:
+    """Every unquantized linear layer of `model` to `Bf16CpuLinearMethod`, before vLLM's
+    `process_weights_after_loading`; returns how many."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, LinearBase) and type(module.quant_method) is \
+                UnquantizedLinearMethod and module.weight.dim() == 2:
+            module.quant_method = Bf16CpuLinearMethod(module.weight)
+            count += 1
+    return count
 
 
 @ignore_torch_compile
@@ -197,4 +237,11 @@ class DSpineDraftForCausalLM(DFlashQwen3ForCausalLM):
                                  {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()},
                                  when=when)
             check_files_unchanged(self._dspine_folder, when=when)
-        return super().load_weights(tensors.items())
+        loaded = super().load_weights(tensors.items())
+        option = (getattr(self.config, "dspine_options", None) or {}).get(
+            "dspine_draft_gemm", "auto")
+        self.layer_gemm_dtype = torch.float32
+        if layer_gemms_in_bf16(option, self.model.norm.weight.dtype):
+            if use_bf16_layer_gemms(self.model):
+                self.layer_gemm_dtype = torch.bfloat16
+        return loaded

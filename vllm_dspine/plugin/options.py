@@ -55,6 +55,7 @@ def _lookup_corpus_option(value):
 # A value is the tuple of allowed values or a function that checks (and normalises) one.
 DSPINE_OPTIONS = {
     "dspine_retrieval": ("auto", "fp8", "bf16"),
+    "dspine_draft_gemm": ("auto", "fp32", "bf16"),
     "dspine_tail": (True, False),
     "dspine_verify": ("dynamic", "fixed"),
     "dspine_verify_max": _verify_max_option,

@@ -188,8 +188,10 @@ class DSpineProposer(DFlashProposer):
                 self._runner.sampler, self.speculative_config, self.device,
                 runner=self._runner)
         logger.info("DSpine drafter loaded: block %d, %d candidates per row out of %d "
-                    "ids, retrieval %s", self.dspine.block_size, self.dspine.head_topk,
-                    self._retrieval.num_rows, self._retrieval.describe())
+                    "ids, retrieval %s, layer products %s", self.dspine.block_size,
+                    self.dspine.head_topk, self._retrieval.num_rows,
+                    self._retrieval.describe(),
+                    getattr(self.model, "layer_gemm_dtype", drafter.norm.weight.dtype))
 
     # ------------------------------------------------------------------ hooks
     def set_inputs_first_pass(self, target_token_ids, next_token_ids, target_positions,

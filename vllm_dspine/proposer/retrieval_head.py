@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_dspine.kernels.cpu_gemm import FixedWeightMatmul
+from vllm_dspine.kernels.cpu_gemm import FixedWeightMatmul, native_bf16_cpu
 from vllm_dspine.kernels.retrieval import (
     FP8Head,
     fp8_matmul_available,
@@ -36,9 +36,6 @@ EXACT_FP32_MAX_VOCAB = 24_576
 CERTIFIED_WINDOW = 48
 
 
-def native_bf16_cpu() -> bool:
-    """Whether this CPU multiplies bf16 natively (else oneDNN emulates it, slower than fp32)."""
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 class RetrievalHead:

@@ -34,15 +34,19 @@ from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.rejection_sampler import (
     GREEDY_TEMPERATURE,
     MAX_SPEC_LEN,
+    PLACEHOLDER_TOKEN_ID,
     RejectionSampler,
 )
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-from vllm_dspine.verify.sparse_rejection import sparse_rejection_sample
+from vllm_dspine.verify.sparse_rejection import drop_invalid_q, sparse_rejection_sample
 from vllm_dspine.verify.top_k_top_p import apply_top_k_top_p_values_sorted
 from vllm_dspine.verify.sparse_rejection_ref import (
     generate_inv_exp,
+    generate_recovered_uniforms,
     generate_uniform_probs,
+    sparse_draft_probs_at,
+    sparse_recovered_tokens_inverse_cdf,
 )
 
 
@@ -166,9 +170,14 @@ def samples_as_plain_decoding(metadata: SpecDecodeMetadata,
 class SparseRejectionSampler(RejectionSampler):
     """vLLM's `RejectionSampler` verifying against a sparse (top-k) draft q."""
 
-    # The recovered tokens' exponentials for requests with drafts only (docs/verify.md);
-    # False draws vLLM's every row, for comparing with vLLM token for token.
-    drafted_only_exponentials = True
+    # How the recovered tokens' randomness is drawn (docs/verify.md): "inverse_cdf", one
+    # uniform per request with drafts (what serving runs; CPU, elsewhere "drafted");
+    # "drafted", vLLM's exponentials for the requests with drafts only; "vllm", vLLM's
+    # exponentials for every row, for comparing with vLLM token for token.
+    recovered_draw = "inverse_cdf"
+    # Steps that allow it are verified position by position (`verifies_row_by_row`);
+    # False processes every draft row, for comparing the two.
+    row_by_row = True
 
     def forward(  # type: ignore[override]
         self,
@@ -197,6 +206,16 @@ class SparseRejectionSampler(RejectionSampler):
                                  predict_bonus_token=True)
             return SamplerOutput(sampled_token_ids=bonus.sampled_token_ids.to(torch.int32),
                                  logprobs_tensors=None)
+
+        if self.verifies_row_by_row(sampling_metadata, logits):
+            bonus = self.sampler(logits=logits[metadata.bonus_logits_indices],
+                                 sampling_metadata=sampling_metadata,
+                                 predict_bonus_token=True)
+            return SamplerOutput(
+                sampled_token_ids=self._sample_row_by_row(
+                    metadata, draft_cand_ids, draft_cand_probs, logits,
+                    bonus.sampled_token_ids, sampling_metadata),
+                logprobs_tensors=None)
 
         # Bonus tokens: vLLM's own sampler on the bonus rows (as RejectionSampler).
         bonus_logits = logits[metadata.bonus_logits_indices]
@@ -243,6 +262,130 @@ class SparseRejectionSampler(RejectionSampler):
             sampled_token_ids=output_token_ids, logprobs_tensors=logprobs_tensors
         )
 
+    def verifies_row_by_row(self, sampling_metadata: SamplingMetadata,
+                            logits: torch.Tensor) -> bool:
+        """Whether this step's drafts are verified position by position, each draft row
+        processed (temperature, top-k/top-p, softmax) only while its request has not
+        rejected: every request random, on CPU, with the inverse-CDF draw, and nothing
+        that needs all rows at once (logprobs, penalties, bad words, allowed ids, logit
+        bias, min-p, min-tokens, a thinking budget). Rows after a request's first
+        rejection cannot change its tokens, so the tokens are the whole-batch path's,
+        bit for bit (tests/test_verify_sampler.py); on this CPU a row costs ~0.4-0.6 ms
+        (its top-p), and at chat's acceptance most rows of a step come after a
+        rejection (docs/verify.md, "The recovered tokens by inverse CDF, and
+        verification row by row")."""
+        if not (self.row_by_row and logits.device.type == "cpu"
+                and self.recovered_draw == "inverse_cdf"
+                and sampling_metadata.all_random
+                and sampling_metadata.max_num_logprobs is None
+                and sampling_metadata.no_penalties
+                and not sampling_metadata.bad_words_token_ids
+                and sampling_metadata.allowed_token_ids_mask is None
+                and _min_p_of(sampling_metadata) is None):
+            return False
+        holder = getattr(sampling_metadata, "thinking_budget_state_holder", None)
+        if holder is not None and holder.has_tracked_requests():
+            return False
+        for processor in sampling_metadata.logitsprocs.non_argmax_invariant:
+            if isinstance(processor, LogitBiasLogitsProcessor) and processor.biases:
+                return False
+            if isinstance(processor, MinTokensLogitsProcessor) and processor.min_toks:
+                return False
+        return True
+
+    def _sample_row_by_row(
+        self,
+        metadata: SpecDecodeMetadata,
+        draft_cand_ids: torch.Tensor | None,  # [num_tokens, topk]
+        draft_cand_probs: torch.Tensor | None,  # [num_tokens, topk]
+        logits: torch.Tensor,  # [num_tokens + num_reqs, V]
+        bonus_token_ids: torch.Tensor,  # [num_reqs, 1]
+        sampling_metadata: SamplingMetadata,
+    ) -> torch.Tensor:
+        """`_sample` for a step `verifies_row_by_row` accepts: the same draws (every
+        draft row's uniform, then one uniform per drafted request), the same formulas
+        per row, and at position j only the rows of requests that accepted positions
+        0 .. j - 1. Returns [num_reqs, max_spec_len + 1] int32."""
+        if draft_cand_ids is None or draft_cand_probs is None:
+            raise ValueError(
+                "a batch with random (temperature > 0) requests needs the sparse "
+                "draft distribution; pass draft_cand_ids and draft_cand_probs."
+            )
+        device = logits.device
+        num_draft_tokens = metadata.num_draft_tokens
+        num_reqs = len(num_draft_tokens)
+        num_tokens = sum(num_draft_tokens)
+        vocab_size = logits.shape[1]
+        if (draft_cand_ids.ndim != 2 or draft_cand_ids.shape != draft_cand_probs.shape
+                or draft_cand_ids.shape[0] != num_tokens):
+            raise ValueError(
+                f"draft_cand_ids {tuple(draft_cand_ids.shape)} and draft_cand_probs "
+                f"{tuple(draft_cand_probs.shape)} must both be [{num_tokens}, topk]: one "
+                "row of candidates per draft token."
+            )
+        generators = sampling_metadata.generators
+        uniform_probs = generate_uniform_probs(
+            num_tokens, num_draft_tokens, generators, device)  # [num_tokens]
+        recovered_uniforms = generate_recovered_uniforms(
+            num_draft_tokens, generators, device)  # [num_reqs]
+        cand_ids, cand_probs = drop_invalid_q(draft_cand_ids, draft_cand_probs)
+        drafts = metadata.draft_token_ids.long()  # [num_tokens]
+        target_rows = metadata.target_logits_indices.long()  # [num_tokens]
+        temperature = sampling_metadata.temperature
+        temperature = torch.where(temperature == GREEDY_TEMPERATURE, 1.0, temperature)
+        top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
+
+        starts = [0] * num_reqs  # each request's first draft row
+        for r in range(1, num_reqs):
+            starts[r] = starts[r - 1] + num_draft_tokens[r - 1]
+        bonus = bonus_token_ids.reshape(num_reqs).tolist()
+        tokens: list[list[int]] = [[] for _ in range(num_reqs)]
+        alive = [r for r in range(num_reqs) if num_draft_tokens[r] > 0]
+        for r in range(num_reqs):
+            if num_draft_tokens[r] == 0:
+                tokens[r].append(bonus[r])
+        for j in range(metadata.max_spec_len):
+            if not alive:
+                break
+            reqs = torch.tensor(alive, dtype=torch.int64, device=device)  # [a]
+            rows = torch.tensor([starts[r] + j for r in alive], dtype=torch.int64,
+                                device=device)  # [a]  draft rows at position j
+            x = logits[target_rows[rows]].to(torch.float32)  # [a, V]  a copy
+            x.div_(temperature[reqs].unsqueeze(1))
+            x = apply_top_k_top_p_values_sorted(
+                x, None if top_k is None else top_k[reqs],
+                None if top_p is None else top_p[reqs])
+            probs = x.softmax(dim=-1, dtype=torch.float32)  # [a, V]
+            draft = drafts[rows]  # [a]
+            ids, q_probs = cand_ids[rows], cand_probs[rows]  # [a, topk]
+            q = sparse_draft_probs_at(draft, ids, q_probs)  # [a]
+            p = probs.gather(1, draft.clamp(0, vocab_size - 1)[:, None]).squeeze(1)
+            # The reference's test: float32 ratio against the float64 uniform.
+            ratio = p / torch.where(q > 0, q, 1.0)
+            accepted = ((draft >= 0) & (draft < vocab_size) & (q > 0)
+                        & (ratio >= uniform_probs[rows])).tolist()
+            rejected = [i for i, ok in enumerate(accepted) if not ok]
+            if rejected:
+                local = torch.tensor(rejected, dtype=torch.int64, device=device)
+                recovered = sparse_recovered_tokens_inverse_cdf(
+                    local, reqs[local], ids, q_probs, probs, recovered_uniforms).tolist()
+                for i, token in zip(rejected, recovered):
+                    tokens[alive[i]].append(token)
+            draft_list = draft.tolist()
+            still = []
+            for i, r in enumerate(alive):
+                if accepted[i]:
+                    tokens[r].append(draft_list[i])
+                    if j + 1 == num_draft_tokens[r]:
+                        tokens[r].append(bonus[r])  # every draft accepted
+                    else:
+                        still.append(r)
+            alive = still
+        width = metadata.max_spec_len + 1
+        return torch.tensor(
+            [t + [PLACEHOLDER_TOKEN_ID] * (width - len(t)) for t in tokens],
+            dtype=torch.int32, device=device)
+
     def _sample(
         self,
         metadata: SpecDecodeMetadata,
@@ -253,8 +396,8 @@ class SparseRejectionSampler(RejectionSampler):
         sampling_metadata: SamplingMetadata,
     ) -> torch.Tensor:
         """Randomness drawn in vLLM's `rejection_sample` order: uniforms, then the
-        per-request exponentials, these only for requests with drafts
-        (`generate_inv_exp(..., drafted_only=True)`)."""
+        recovered tokens' draws as `recovered_draw` says (on CPU by default one
+        uniform per request with drafts, `generate_recovered_uniforms`)."""
         device = target_logits.device
         num_tokens, vocab_size = target_logits.shape
         num_draft_tokens = metadata.num_draft_tokens
@@ -280,12 +423,25 @@ class SparseRejectionSampler(RejectionSampler):
             num_tokens, num_draft_tokens, sampling_metadata.generators, device
         )
         target_probs = target_logits.softmax(dim=-1, dtype=torch.float32)
-        # Rows only for requests with drafts (the others cannot reject).
+        draw = self.recovered_draw
+        if draw not in ("inverse_cdf", "drafted", "vllm"):
+            raise ValueError(f"recovered_draw {draw!r}: use 'inverse_cdf', 'drafted' "
+                             "or 'vllm'.")
+        if draw == "inverse_cdf" and device.type == "cpu":
+            recovered_uniforms = generate_recovered_uniforms(
+                num_draft_tokens, sampling_metadata.generators, device)  # [num_reqs]
+            return sparse_rejection_sample(
+                metadata.draft_token_ids, num_draft_tokens, metadata.max_spec_len,
+                metadata.cu_num_draft_tokens, draft_cand_ids, draft_cand_probs,
+                target_probs, bonus_token_ids, is_greedy, target_argmax,
+                uniform_probs, None, recovered_uniforms=recovered_uniforms,
+            )
+        # "drafted": rows only for requests with drafts (the others cannot reject).
         inv_exp = generate_inv_exp(
             num_draft_tokens, vocab_size, sampling_metadata.generators, device,
             torch.float64 if self.use_fp64_gumbel else torch.float32,
-            drafted_only=self.drafted_only_exponentials,
-        )
+            drafted_only=draw != "vllm",
+        )  # [num_reqs, V]
         return sparse_rejection_sample(
             metadata.draft_token_ids, num_draft_tokens, metadata.max_spec_len,
             metadata.cu_num_draft_tokens, draft_cand_ids, draft_cand_probs,

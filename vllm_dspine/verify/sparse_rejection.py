@@ -294,7 +294,7 @@ def sparse_rejection_sample_fwd(
 def _check_inputs(
     draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
     draft_cand_ids, draft_cand_probs, target_probs, bonus_token_ids, is_greedy,
-    target_argmax, uniform_probs, inv_exp,
+    target_argmax, uniform_probs, inv_exp, recovered_uniforms=None,
 ) -> None:
     """ValueError naming the problem and the fix for bad input."""
     num_reqs = len(num_draft_tokens)
@@ -365,10 +365,24 @@ def _check_inputs(
             f"uniform_probs must be [{num_tokens}] float64 "
             "(generate_uniform_probs) for a batch with random requests."
         )
+    if recovered_uniforms is not None:
+        if inv_exp is not None:
+            raise ValueError(
+                "pass either inv_exp (the exponential race) or recovered_uniforms "
+                "(inverse CDF) for the recovered tokens, not both."
+            )
+        if recovered_uniforms.shape != (num_reqs,) or \
+                recovered_uniforms.dtype != torch.float64:
+            raise ValueError(
+                f"recovered_uniforms must be [{num_reqs}] float64 "
+                f"(generate_recovered_uniforms), got {recovered_uniforms.dtype} "
+                f"{tuple(recovered_uniforms.shape)}."
+            )
+        return
     if inv_exp is None or inv_exp.shape != (num_reqs, vocab_size):
         raise ValueError(
-            f"inv_exp must be [{num_reqs}, {vocab_size}] (generate_inv_exp) for a "
-            f"batch with random requests, got "
+            f"inv_exp must be [{num_reqs}, {vocab_size}] (generate_inv_exp), or "
+            f"recovered_uniforms given instead, for a batch with random requests, got "
             f"{None if inv_exp is None else tuple(inv_exp.shape)}."
         )
 
@@ -402,23 +416,31 @@ def sparse_rejection_sample(
     uniform_probs: torch.Tensor | None,  # [num_tokens] float64
     inv_exp: torch.Tensor | None,  # [num_reqs, V] float32/float64
     use_triton: bool | None = None,
+    recovered_uniforms: torch.Tensor | None = None,  # [num_reqs] float64
 ) -> torch.Tensor:
     """Exact speculative sampling with a sparse q, in vLLM's layout:
     [num_reqs, max_spec_len + 1] int32, -1 after the correction/bonus token.
 
     See `sparse_rejection_sample_ref` for the semantics. Dispatch: CUDA tensors run
     the Triton kernels, CPU tensors the reference; `use_triton` forces either (tests
-    force Triton on CPU under TRITON_INTERPRET=1).
+    force Triton on CPU under TRITON_INTERPRET=1). `recovered_uniforms` in place of
+    `inv_exp` draws the recovered tokens by inverse CDF (the reference only; what the
+    sampler runs on CPU, docs/verify.md).
     """
     _check_inputs(
         draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
         draft_cand_ids, draft_cand_probs, target_probs, bonus_token_ids, is_greedy,
-        target_argmax, uniform_probs, inv_exp,
+        target_argmax, uniform_probs, inv_exp, recovered_uniforms,
     )
+    if recovered_uniforms is not None and use_triton:
+        raise ValueError(
+            "the Triton kernels draw recovered tokens with inv_exp only; pass "
+            "inv_exp (generate_inv_exp) or use_triton=False."
+        )
     if target_probs is not None:  # random rows read q (greedy rows never do)
         draft_cand_ids, draft_cand_probs = drop_invalid_q(draft_cand_ids, draft_cand_probs)
     if use_triton is None:
-        use_triton = draft_token_ids.is_cuda
+        use_triton = draft_token_ids.is_cuda and recovered_uniforms is None
     args = (
         draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
         draft_cand_ids, draft_cand_probs, target_probs, bonus_token_ids, is_greedy,
@@ -427,6 +449,6 @@ def sparse_rejection_sample(
     if not use_triton:
         from vllm_dspine.verify.sparse_rejection_ref import sparse_rejection_sample_ref
 
-        return sparse_rejection_sample_ref(*args)
+        return sparse_rejection_sample_ref(*args, recovered_uniforms=recovered_uniforms)
     contiguous = [t.contiguous() if isinstance(t, torch.Tensor) else t for t in args]
     return sparse_rejection_sample_fwd(*contiguous)

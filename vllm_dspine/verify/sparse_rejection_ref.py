@@ -102,6 +102,32 @@ def generate_inv_exp(
     return exp.reciprocal_()
 
 
+def generate_recovered_uniforms(
+    num_draft_tokens: list[int],
+    generators: dict[int, torch.Generator],
+    device: torch.device,
+) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per request with drafts, for the recovered token
+    drawn by inverse CDF (`sparse_recovered_tokens_inverse_cdf`): [num_reqs].
+
+    Drawn where `generate_inv_exp` draws its rows (after `generate_uniform_probs`): the
+    unseeded requests with drafts take one global draw of their count, each seeded one a
+    single value from its own generator (so a seed gives the same text run after run).
+    Requests without drafts cannot reject; their entry is 0 and never read.
+    """
+    num_reqs = len(num_draft_tokens)
+    out = torch.zeros(num_reqs, dtype=torch.float64, device=device)
+    unseeded = [i for i, n in enumerate(num_draft_tokens) if n > 0 and i not in generators]
+    if unseeded:
+        out[torch.tensor(unseeded, dtype=torch.long, device=device)] = torch.rand(
+            len(unseeded), dtype=torch.float64, device=device)
+    for req_idx, generator in generators.items():
+        if num_draft_tokens[req_idx] > 0:
+            out[req_idx] = torch.rand(1, dtype=torch.float64, device=device,
+                                      generator=generator)[0]
+    return out
+
+
 def sparse_draft_probs_at(
     token_ids: torch.Tensor,  # [N] int64
     draft_cand_ids: torch.Tensor,  # [N, topk] int64
@@ -170,6 +196,69 @@ def sparse_recovered_tokens_ref(
     return out
 
 
+def sparse_recovered_tokens_inverse_cdf(
+    token_idx: torch.Tensor,  # [R] int64, rows of the flattened batch to recover
+    req_idx: torch.Tensor,  # [R] int64, their requests
+    draft_cand_ids: torch.Tensor,  # [num_tokens, topk] int64
+    draft_cand_probs: torch.Tensor,  # [num_tokens, topk] float32
+    target_probs: torch.Tensor,  # [num_tokens, V] float32
+    recovered_uniforms: torch.Tensor,  # [num_reqs] float64 in [0, 1)
+) -> torch.Tensor:
+    """A draw from the normalised residual `[p - q]_+` of each given row by inverse
+    CDF, one uniform per row: [R] int64.
+
+    The same law as the exponential race of `sparse_recovered_tokens_ref` (each id v
+    with probability r(v) / sum(r)), for one uniform instead of V exponentials: on a
+    2-core CPU torch's `exponential_` costs ~1 ms a row at 49,152 ids, the largest part
+    of what a rejected draft added to the sampler (docs/verify.md). The residual is
+    formed as the race forms it (p, with the candidate columns replaced by
+    `max(p - q, 0)`), NaN counted as 0; its float64 running sum is searched for u times
+    its total. Every id where the running sum steps up has r(v) > 0, so an id outside
+    the residual's support is never drawn. A residual that is 0 everywhere draws from p
+    the same way; a p that is 0 everywhere gives token 0 (the race's fallbacks).
+    """
+    vocab_size = target_probs.shape[1]
+    out = torch.zeros(token_idx.shape[0], dtype=torch.int64, device=token_idx.device)
+    chunk = max(1, _CHUNK_BYTES // (8 * vocab_size))
+    for lo in range(0, token_idx.shape[0], chunk):
+        rows = token_idx[lo : lo + chunk]  # [c]
+        probs = torch.nan_to_num(target_probs[rows], nan=0.0)  # [c, V]  a copy
+        ids = draft_cand_ids[rows]  # [c, topk]
+        real = (ids >= 0) & (ids < vocab_size)
+        safe_ids = torch.where(real, ids, 0)  # [c, topk]
+        residual = probs.clone()
+        cand = (probs.gather(1, safe_ids) - draft_cand_probs[rows]).clamp_min(0.0)
+        # Padding slots write column 0 with the value it must keep (its own residual
+        # where 0 is a candidate, else p[0]), as in the race.
+        zero_cand = real & (ids == 0)
+        col0 = torch.where(zero_cand.any(dim=1),
+                           torch.where(zero_cand, cand, 0.0).sum(dim=1), probs[:, 0])
+        residual.scatter_(1, safe_ids, torch.where(real, cand, col0[:, None]))
+        u = recovered_uniforms[req_idx[lo : lo + chunk]]  # [c] float64
+        token = _inverse_cdf(residual, u)  # [c], -1 where the residual is 0
+        empty = token < 0
+        if bool(empty.any()):
+            token[empty] = _inverse_cdf(probs[empty], u[empty]).clamp_min_(0)
+        out[lo : lo + chunk] = token
+    return out
+
+
+def _inverse_cdf(
+    weights: torch.Tensor,  # [c, V] float32, finite and >= 0
+    u: torch.Tensor,  # [c] float64 in [0, 1)
+) -> torch.Tensor:
+    """The id j of each row with cumsum[j - 1] <= u * total < cumsum[j]: [c] int64,
+    -1 for a row whose total is 0."""
+    cumulative = weights.cumsum(dim=1, dtype=torch.float64)  # [c, V]
+    total = cumulative[:, -1:].contiguous()  # [c, 1]
+    token = torch.searchsorted(cumulative, u[:, None] * total, right=True)  # [c, 1]
+    # u * total rounds up to total only for u within 2^-53 of 1: take the last id with
+    # weight (the first where the running sum reaches the total).
+    last = torch.searchsorted(cumulative, total, right=False)  # [c, 1]
+    token = torch.minimum(token, last).squeeze(1)
+    return torch.where(total.squeeze(1) > 0, token, -1)
+
+
 def _recovered_tokens_careful(
     rows: torch.Tensor,  # [c] int64
     reqs: torch.Tensor,  # [c] int64
@@ -216,9 +305,14 @@ def sparse_rejection_sample_ref(
     target_argmax: torch.Tensor | None,  # [num_tokens] int; None: from target_probs
     uniform_probs: torch.Tensor | None,  # [num_tokens] float64
     inv_exp: torch.Tensor | None,  # [num_reqs, V] float32/float64
+    recovered_uniforms: torch.Tensor | None = None,  # [num_reqs] float64
 ) -> torch.Tensor:
     """Exact speculative sampling with a sparse q; returns [num_reqs, max_spec_len + 1]
     int32 tokens, -1 after the correction/bonus token.
+
+    The recovered tokens come from the exponential race with `inv_exp`, or, where
+    `recovered_uniforms` is given instead (what serving runs on CPU), by inverse CDF
+    with one uniform per request (`sparse_recovered_tokens_inverse_cdf`).
 
     Greedy requests: accept while draft == target argmax, then emit the argmax; bonus
     when all match. Random requests: accept v with probability min(1, p(v) / q(v))
@@ -273,7 +367,8 @@ def sparse_rejection_sample_ref(
         accepted = torch.where(token_greedy, drafts == target_argmax.long(), accepted)
     if any_random:
         assert draft_cand_ids is not None and draft_cand_probs is not None
-        assert uniform_probs is not None and inv_exp is not None
+        assert uniform_probs is not None
+        assert (inv_exp is None) != (recovered_uniforms is None)
         vocab_size = target_probs.shape[1]
         in_vocab = (drafts >= 0) & (drafts < vocab_size)
         q_draft = sparse_draft_probs_at(drafts, draft_cand_ids, draft_cand_probs)
@@ -313,9 +408,16 @@ def sparse_rejection_sample_ref(
         req_r = random_req.nonzero().squeeze(1)
         if req_r.numel() > 0:
             tok_r = req_start[req_r] + num_accepted[req_r]
-            recovered = sparse_recovered_tokens_ref(
-                tok_r, req_r, draft_cand_ids, draft_cand_probs, target_probs, inv_exp
-            )
+            if recovered_uniforms is not None:
+                recovered = sparse_recovered_tokens_inverse_cdf(
+                    tok_r, req_r, draft_cand_ids, draft_cand_probs, target_probs,
+                    recovered_uniforms,
+                )
+            else:
+                recovered = sparse_recovered_tokens_ref(
+                    tok_r, req_r, draft_cand_ids, draft_cand_probs, target_probs,
+                    inv_exp,
+                )
             output[req_r, num_accepted[req_r]] = recovered.to(torch.int32)
     return output
 
