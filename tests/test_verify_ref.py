@@ -26,9 +26,12 @@ from vllm_dspine.verify.synthetic import sample_from_sparse, sparse_q_near
 CPU = torch.device("cpu")
 
 
-def _run_stationary(p, cand_ids, cand_probs, num_reqs, seed, uniform_override=None):
+def _run_stationary(p, cand_ids, cand_probs, num_reqs, seed, uniform_override=None,
+                    recovered="race"):
     """num_reqs requests, each with K = len(p) - 1 drafts; position j uses p[j] and
-    the sparse q (cand_ids[j], cand_probs[j]); the bonus is drawn from p[K].
+    the sparse q (cand_ids[j], cand_probs[j]); the bonus is drawn from p[K]. The
+    recovered tokens by the exponential race ("race") or by inverse CDF with one uniform
+    a request ("inverse_cdf", what the sampler runs on CPU).
     Returns (output [num_reqs, K+1], drafts [num_reqs, K])."""
     g = torch.Generator().manual_seed(seed)
     num_pos, vocab_size = p.shape
@@ -41,14 +44,31 @@ def _run_stationary(p, cand_ids, cand_probs, num_reqs, seed, uniform_override=No
     uniform = torch.rand(num_reqs * k, dtype=torch.float64, generator=g)
     if uniform_override is not None:
         uniform = uniform_override(uniform)
-    inv_exp = torch.empty(num_reqs, vocab_size).exponential_(generator=g).reciprocal()
+    inv_exp, recovered_uniforms = None, None
+    if recovered == "race":
+        inv_exp = torch.empty(num_reqs, vocab_size).exponential_(generator=g).reciprocal()
+    else:
+        recovered_uniforms = torch.rand(num_reqs, dtype=torch.float64, generator=g)
     bonus = torch.multinomial(p[k], num_reqs, replacement=True, generator=g)
     out = sparse_rejection_sample_ref(
         drafts, num_draft_tokens, k,
         torch.tensor(num_draft_tokens).cumsum(0).to(torch.int32),
         ids, probs, target_probs, bonus[:, None], None, None, uniform, inv_exp,
+        recovered_uniforms=recovered_uniforms,
     )
     return out, drafts.view(num_reqs, k)
+
+
+def _assert_every_position_follows_p(out, p):
+    """At least 1e5 emitted tokens, and each position's tokens distributed as its p
+    (chi-square p-value > 1e-3, more than 1,000 tokens a position)."""
+    assert int((out >= 0).sum()) >= 100_000
+    for j in range(p.shape[0]):
+        col = out[:, j]
+        tokens = col[col >= 0]
+        assert tokens.numel() > 1000, f"position {j} reached too rarely"
+        pvalue = _chi2_pvalue(tokens, p[j])
+        assert pvalue > 1e-3, f"position {j}: chi-square p-value {pvalue:.2e}"
 
 
 def _chi2_pvalue(tokens: torch.Tensor, p: torch.Tensor) -> float:
@@ -108,14 +128,7 @@ def test_lossless_every_position(k, num_reqs, mask):
     drafts' q instead (see the next test) gives p-values < 1e-12 here."""
     p, ids, probs = _stationary_inputs(k, 50, seed=1000 + k, **mask)
     out, _ = _run_stationary(p, ids, probs, num_reqs, seed=k)
-    emitted = int((out >= 0).sum())
-    assert emitted >= 100_000
-    for j in range(k + 1):
-        col = out[:, j]
-        tokens = col[col >= 0]
-        assert tokens.numel() > 1000, f"position {j} reached too rarely"
-        pvalue = _chi2_pvalue(tokens, p[j])
-        assert pvalue > 1e-3, f"position {j}: chi-square p-value {pvalue:.2e}"
+    _assert_every_position_follows_p(out, p)
 
 
 def test_chi_square_detects_a_wrong_sampler():
@@ -382,26 +395,6 @@ def test_bad_input_raises_value_error():
         )
 
 
-def _run_stationary_inverse_cdf(p, cand_ids, cand_probs, num_reqs, seed):
-    """`_run_stationary` with the recovered tokens drawn by inverse CDF (one uniform
-    per request, what the sampler runs on CPU) instead of the exponential race."""
-    g = torch.Generator().manual_seed(seed)
-    k = p.shape[0] - 1
-    ids = cand_ids[:k].repeat(num_reqs, 1)
-    probs = cand_probs[:k].repeat(num_reqs, 1)
-    drafts = sample_from_sparse(ids, probs, g)
-    num_draft_tokens = [k] * num_reqs
-    uniform = torch.rand(num_reqs * k, dtype=torch.float64, generator=g)
-    recovered_uniforms = torch.rand(num_reqs, dtype=torch.float64, generator=g)
-    bonus = torch.multinomial(p[k], num_reqs, replacement=True, generator=g)
-    return sparse_rejection_sample(
-        drafts, num_draft_tokens, k,
-        torch.tensor(num_draft_tokens).cumsum(0).to(torch.int32),
-        ids, probs, p[:k].repeat(num_reqs, 1), bonus[:, None], None, None, uniform,
-        None, recovered_uniforms=recovered_uniforms,
-    )
-
-
 @pytest.mark.parametrize(
     "k, num_reqs, mask",
     [
@@ -415,14 +408,8 @@ def test_inverse_cdf_lossless_every_position(k, num_reqs, mask):
     threshold of test_lossless_every_position (>= 1e5 emitted tokens a case; a correct
     sampler fails a position with probability 1e-3)."""
     p, ids, probs = _stationary_inputs(k, 50, seed=1000 + k, **mask)
-    out = _run_stationary_inverse_cdf(p, ids, probs, num_reqs, seed=k)
-    assert int((out >= 0).sum()) >= 100_000
-    for j in range(k + 1):
-        col = out[:, j]
-        tokens = col[col >= 0]
-        assert tokens.numel() > 1000, f"position {j} reached too rarely"
-        pvalue = _chi2_pvalue(tokens, p[j])
-        assert pvalue > 1e-3, f"position {j}: chi-square p-value {pvalue:.2e}"
+    out, _ = _run_stationary(p, ids, probs, num_reqs, seed=k, recovered="inverse_cdf")
+    _assert_every_position_follows_p(out, p)
 
 
 def test_inverse_cdf_recovered_token_law_and_edges():
