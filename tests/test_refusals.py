@@ -64,6 +64,8 @@ def test_valid_pair_is_accepted_and_runs_on_dflash_plumbing(pair):
                  id="unsupported-dtype"),
     pytest.param(dict(spec_extra={"dspine_retrieval": "int4"}), r"dspine_retrieval.*int4",
                  id="unknown-retrieval-mode"),
+    pytest.param(dict(spec_extra={"dspine_draft_gemm": "fp16"}), r"dspine_draft_gemm.*fp16",
+                 id="unknown-draft-gemm"),
     pytest.param(dict(spec_extra={"draft_sample_method": "probabilistic"}),
                  r"draft_sample_method", id="draft-sample-method"),
     pytest.param(dict(spec_extra={"rejection_sample_method": "synthetic"}),
