@@ -45,7 +45,7 @@ from vllm_dspine.verify.sparse_rejection_ref import (
     generate_inv_exp,
     generate_recovered_uniforms,
     generate_uniform_probs,
-    sparse_draft_probs_at,
+    sampled_drafts_accepted,
     sparse_recovered_tokens_inverse_cdf,
 )
 
@@ -315,7 +315,6 @@ class SparseRejectionSampler(RejectionSampler):
         num_draft_tokens = metadata.num_draft_tokens
         num_reqs = len(num_draft_tokens)
         num_tokens = sum(num_draft_tokens)
-        vocab_size = logits.shape[1]
         if (draft_cand_ids.ndim != 2 or draft_cand_ids.shape != draft_cand_probs.shape
                 or draft_cand_ids.shape[0] != num_tokens):
             raise ValueError(
@@ -358,12 +357,8 @@ class SparseRejectionSampler(RejectionSampler):
             probs = x.softmax(dim=-1, dtype=torch.float32)  # [a, V]
             draft = drafts[rows]  # [a]
             ids, q_probs = cand_ids[rows], cand_probs[rows]  # [a, topk]
-            q = sparse_draft_probs_at(draft, ids, q_probs)  # [a]
-            p = probs.gather(1, draft.clamp(0, vocab_size - 1)[:, None]).squeeze(1)
-            # The reference's test: float32 ratio against the float64 uniform.
-            ratio = p / torch.where(q > 0, q, 1.0)
-            accepted = ((draft >= 0) & (draft < vocab_size) & (q > 0)
-                        & (ratio >= uniform_probs[rows])).tolist()
+            accepted = sampled_drafts_accepted(draft, ids, q_probs, probs,
+                                               uniform_probs[rows]).tolist()
             rejected = [i for i, ok in enumerate(accepted) if not ok]
             if rejected:
                 local = torch.tensor(rejected, dtype=torch.int64, device=device)

@@ -142,6 +142,44 @@ def sparse_draft_probs_at(
     return torch.where(hit, draft_cand_probs, 0.0).sum(dim=1)
 
 
+def sampled_drafts_accepted(
+    drafts: torch.Tensor,  # [N] int64
+    draft_cand_ids: torch.Tensor,  # [N, topk] int64
+    draft_cand_probs: torch.Tensor,  # [N, topk] float32
+    target_probs: torch.Tensor,  # [N, V] float32
+    uniform_probs: torch.Tensor,  # [N] float64
+) -> torch.Tensor:
+    """vLLM's test `p(v) / q(v) >= u` for each row's draft v: [N] bool. A draft outside
+    [0, V) or with q(v) == 0 is never accepted."""
+    vocab_size = target_probs.shape[1]
+    in_vocab = (drafts >= 0) & (drafts < vocab_size)
+    q_draft = sparse_draft_probs_at(drafts, draft_cand_ids, draft_cand_probs)
+    p_draft = target_probs.gather(1, drafts.clamp(0, vocab_size - 1)[:, None]).squeeze(1)
+    # float32 ratio compared with the float64 uniform, as vLLM's kernel does;
+    # q == 0 is guarded (never accepted) rather than divided by.
+    ratio = p_draft / torch.where(q_draft > 0, q_draft, 1.0)
+    return in_vocab & (q_draft > 0) & (ratio >= uniform_probs)
+
+
+def _residual_rows(
+    probs: torch.Tensor,  # [c, V] the rows' p
+    ids: torch.Tensor,  # [c, topk] int64, -1 = padding
+    q_probs: torch.Tensor,  # [c, topk] float32
+) -> torch.Tensor:
+    """The dense residual `[p - q]_+` of each row without making q dense: p, with the
+    (at most topk) candidate columns replaced by `max(p - q, 0)`: [c, V] float32.
+    Padding slots write column 0 with the value it must keep (its own residual where 0
+    is a candidate, else p[0]). E.g. ids [5, -1] -> col 5 <- max(p - q, 0), col 0 <- p[0]."""
+    vocab_size = probs.shape[1]
+    real = (ids >= 0) & (ids < vocab_size)  # [c, topk]
+    safe_ids = torch.where(real, ids, 0)  # [c, topk]
+    cand = (probs.gather(1, safe_ids) - q_probs).clamp_min(0.0)  # [c, topk]
+    zero_cand = real & (ids == 0)
+    col0 = torch.where(zero_cand.any(dim=1),
+                       torch.where(zero_cand, cand, 0.0).sum(dim=1), probs[:, 0])  # [c]
+    return probs.clone().scatter_(1, safe_ids, torch.where(real, cand, col0[:, None]))
+
+
 def sparse_recovered_tokens_ref(
     token_idx: torch.Tensor,  # [R] int64, rows of the flattened batch to recover
     req_idx: torch.Tensor,  # [R] int64, their requests
@@ -165,26 +203,11 @@ def sparse_recovered_tokens_ref(
     for lo in range(0, token_idx.shape[0], chunk):
         rows = token_idx[lo : lo + chunk]  # [c]
         reqs = req_idx[lo : lo + chunk]  # [c]
-        ids = draft_cand_ids[rows]  # [c, topk]
-        real = (ids >= 0) & (ids < vocab_size)  # [c, topk]
-        safe_ids = torch.where(real, ids, 0)  # [c, topk]
-        cand_p = target_probs[rows[:, None], safe_ids]  # [c, topk]
-        cand_e = inv_exp[reqs[:, None], safe_ids]  # [c, topk]
-        cand_score = (cand_p - draft_cand_probs[rows]).clamp_min(0.0) * cand_e
-
-        score = target_probs[rows].to(score_dtype)  # [c, V]
+        # The float32 residual times the exponentials: vLLM's values bit for bit (its
+        # kernel forms p - q in float32, then multiplies).
+        score = _residual_rows(target_probs[rows], draft_cand_ids[rows],
+                               draft_cand_probs[rows]).to(score_dtype)  # [c, V]
         score.mul_(inv_exp[reqs])
-        # Padding slots write column 0 with the value column 0 must end with:
-        # E.g. ids [5, -1] -> write col 5 <- residual score, col 0 <- score[:, 0]
-        # (or col 0's residual score when 0 is itself a candidate of the row).
-        zero_cand = real & (ids == 0)  # [c, topk]
-        col0 = torch.where(
-            zero_cand.any(dim=1),
-            torch.where(zero_cand, cand_score, 0.0).sum(dim=1),
-            score[:, 0],
-        )  # [c]
-        values = torch.where(real, cand_score, col0[:, None])  # [c, topk]
-        score.scatter_(1, safe_ids, values)
         best, token = score.max(dim=1)  # NaN anywhere in a row -> best is NaN
         careful = ~(best > 0)
         if bool(careful.any()):
@@ -223,17 +246,7 @@ def sparse_recovered_tokens_inverse_cdf(
     for lo in range(0, token_idx.shape[0], chunk):
         rows = token_idx[lo : lo + chunk]  # [c]
         probs = torch.nan_to_num(target_probs[rows], nan=0.0)  # [c, V]  a copy
-        ids = draft_cand_ids[rows]  # [c, topk]
-        real = (ids >= 0) & (ids < vocab_size)
-        safe_ids = torch.where(real, ids, 0)  # [c, topk]
-        residual = probs.clone()
-        cand = (probs.gather(1, safe_ids) - draft_cand_probs[rows]).clamp_min(0.0)
-        # Padding slots write column 0 with the value it must keep (its own residual
-        # where 0 is a candidate, else p[0]), as in the race.
-        zero_cand = real & (ids == 0)
-        col0 = torch.where(zero_cand.any(dim=1),
-                           torch.where(zero_cand, cand, 0.0).sum(dim=1), probs[:, 0])
-        residual.scatter_(1, safe_ids, torch.where(real, cand, col0[:, None]))
+        residual = _residual_rows(probs, draft_cand_ids[rows], draft_cand_probs[rows])
         u = recovered_uniforms[req_idx[lo : lo + chunk]]  # [c] float64
         token = _inverse_cdf(residual, u)  # [c], -1 where the residual is 0
         empty = token < 0
@@ -369,14 +382,8 @@ def sparse_rejection_sample_ref(
         assert draft_cand_ids is not None and draft_cand_probs is not None
         assert uniform_probs is not None
         assert (inv_exp is None) != (recovered_uniforms is None)
-        vocab_size = target_probs.shape[1]
-        in_vocab = (drafts >= 0) & (drafts < vocab_size)
-        q_draft = sparse_draft_probs_at(drafts, draft_cand_ids, draft_cand_probs)
-        p_draft = target_probs.gather(1, drafts.clamp(0, vocab_size - 1)[:, None])
-        # float32 ratio compared with the float64 uniform, as vLLM's kernel does;
-        # q == 0 is guarded (never accepted) rather than divided by.
-        ratio = p_draft.squeeze(1) / torch.where(q_draft > 0, q_draft, 1.0)
-        random_ok = in_vocab & (q_draft > 0) & (ratio >= uniform_probs)
+        random_ok = sampled_drafts_accepted(drafts, draft_cand_ids, draft_cand_probs,
+                                            target_probs, uniform_probs)
         accepted = torch.where(token_greedy, accepted, random_ok)
 
     # Accepted prefix length per request: padded positions count as accepted so the
